@@ -1,0 +1,29 @@
+"""jiuwen_hooks: tell vLLM which part of an agent session's cached prompt is stale.
+
+    import jiuwen_hooks
+    jiuwen_hooks.install()
+    with jiuwen_hooks.session("agent-42"):
+        client.chat.completions.create(model=..., messages=window)
+
+Every tracked chat call diffs its window against the session's previous one and, when history
+was rewritten, POSTs ``/release_kv_cache`` first. Nothing here ever raises into the agent.
+"""
+
+from ._compressor import compressor
+from ._context import current_session, session
+from ._hook import Hook
+from ._install import install, stats, uninstall
+from ._options import Options
+from ._version import __version__
+
+__all__ = [
+    "Hook",
+    "Options",
+    "__version__",
+    "compressor",
+    "current_session",
+    "install",
+    "session",
+    "stats",
+    "uninstall",
+]

@@ -1,0 +1,259 @@
+"""HTTP adapter: sends ``POST /release_kv_cache`` (spec §3) and never raises.
+
+Separate pooled sync and async httpx clients (one async client per event loop, since httpx
+connection pools are bound to the loop that created them). Every outcome is turned into an
+``Outcome``, counted, and — when it is a failure — logged as a rate-limited warning. An endpoint
+that answers 404/405 is marked unsupported for a cool-down, with a single warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+from opentelemetry.trace import Status, StatusCode
+
+from ._options import Options
+from ._sessions import ReleasePlan
+from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, logger
+
+_SUPPRESS_KEYS = tuple(
+    key
+    for key in (
+        getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", None),
+        getattr(otel_context, "_SUPPRESS_HTTP_INSTRUMENTATION_KEY", None),
+    )
+    if key is not None
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """Where a session's releases go: derived from the openai client that sent its window."""
+
+    url: str
+    api_key: str | None
+    model: str
+
+
+def engine_root(base_url: str) -> str:
+    """``http://host:8000/v1/`` → ``http://host:8000`` (the release route is not under /v1)."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def release_payload(plan: ReleasePlan, cache_sharing: bool | None) -> dict[str, Any]:
+    old, release = plan.old, plan.release
+    body: dict[str, Any] = {
+        "model": plan.target.model,
+        "cache_salt": plan.session_id,
+        "messages": list(old.messages),
+        "messages_released_index": release.messages_released_index,
+    }
+    if cache_sharing is not None:
+        body["cache_sharing"] = cache_sharing
+    if old.tools is not None:
+        body["tools"] = list(old.tools)
+    if release.tools_released_index is not None:
+        body["tools_released_index"] = release.tools_released_index
+    return body
+
+
+class ReleaseClient:
+    """Sends releases for one installed hook; owns its httpx clients and the cool-down table."""
+
+    def __init__(self, options: Options, telemetry: Telemetry) -> None:
+        self._options = options
+        self._telemetry = telemetry
+        self._warnings = RateLimitedWarnings(options.warning_interval)
+        self._timeout = httpx.Timeout(options.timeout)
+        self._sync: httpx.Client | None = None
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+        self._unsupported_until: dict[str, float] = {}
+
+    # -- public -------------------------------------------------------------------------------
+    def send(self, plan: ReleasePlan) -> Outcome:
+        if (skipped := self._cooling_down(plan)) is not None:
+            return skipped
+        with self._attempt(plan) as attempt:
+            try:
+                response = self._sync_client().post(
+                    plan.target.url, json=attempt.body, headers=attempt.headers
+                )
+                response.read()
+            except Exception as exc:
+                return attempt.finish(None, exc)
+            return attempt.finish(response, None)
+
+    async def asend(self, plan: ReleasePlan) -> Outcome:
+        if (skipped := self._cooling_down(plan)) is not None:
+            return skipped
+        with self._attempt(plan) as attempt:
+            try:
+                response = await self._async_client().post(
+                    plan.target.url, json=attempt.body, headers=attempt.headers
+                )
+                await response.aread()
+            except Exception as exc:
+                return attempt.finish(None, exc)
+            return attempt.finish(response, None)
+
+    def close(self) -> None:
+        with self._lock:
+            sync, self._sync = self._sync, None
+            clients = list(self._async.items())
+            self._async = weakref.WeakKeyDictionary()
+        if sync is not None:
+            sync.close()
+        for loop, client in clients:
+            if not loop.is_closed() and not loop.is_running():
+                loop.run_until_complete(client.aclose())
+            # A client bound to a running or closed loop is left to the garbage collector.
+
+    # -- internals ----------------------------------------------------------------------------
+    def _sync_client(self) -> httpx.Client:
+        with self._lock:
+            if self._sync is None:
+                self._sync = httpx.Client(timeout=self._timeout, trust_env=False)
+            return self._sync
+
+    def _async_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            client = self._async.get(loop)
+            if client is None:
+                client = httpx.AsyncClient(timeout=self._timeout, trust_env=False)
+                self._async[loop] = client
+            return client
+
+    def _cooling_down(self, plan: ReleasePlan) -> Outcome | None:
+        until = self._unsupported_until.get(plan.target.url)
+        if until is None or time.monotonic() >= until:
+            return None
+        outcome = Outcome("unsupported")
+        self._telemetry.record_release(outcome, plan.release.reason, None)
+        return outcome
+
+    @contextmanager
+    def _attempt(self, plan: ReleasePlan) -> Iterator[_Attempt]:
+        """Span around the request, trace context in its headers, other instrumentation off."""
+        with self._telemetry.release_span(span_attributes(plan)) as span:
+            headers = {"Content-Type": "application/json"}
+            if plan.target.api_key:
+                headers["Authorization"] = f"Bearer {plan.target.api_key}"
+            propagate.inject(headers)
+            ctx = otel_context.get_current()
+            for key in _SUPPRESS_KEYS:
+                ctx = otel_context.set_value(key, True, ctx)
+            token = otel_context.attach(ctx)
+            try:
+                body = release_payload(plan, self._options.cache_sharing)
+                yield _Attempt(self, plan, span, headers, body, time.perf_counter())
+            finally:
+                otel_context.detach(token)
+
+    def _conclude(self, plan: ReleasePlan, outcome: Outcome) -> None:
+        url = plan.target.url
+        if outcome.status_code in (404, 405):
+            first = url not in self._unsupported_until
+            self._unsupported_until[url] = time.monotonic() + self._options.unsupported_cooldown
+            if first:
+                logger.warning(
+                    "jiuwen_hooks: %s answered %d; KV-cache release is not supported there "
+                    "(is the vllm_affinity plugin loaded?). Not retrying for %.0f s.",
+                    url,
+                    outcome.status_code,
+                    self._options.unsupported_cooldown,
+                )
+        elif not outcome.ok:
+            detail = f"HTTP {outcome.status_code}" if outcome.status_code else outcome.error_type
+            self._warnings.warn(
+                f"{url}:{outcome.outcome}",
+                "jiuwen_hooks: KV-cache release to %s failed (%s); the agent goes on unaffected.",
+                url,
+                detail,
+            )
+
+
+@dataclass(slots=True)
+class _Attempt:
+    client: ReleaseClient
+    plan: ReleasePlan
+    span: Any
+    headers: dict[str, str]
+    body: dict[str, Any]
+    started: float
+
+    def finish(self, response: httpx.Response | None, exc: BaseException | None) -> Outcome:
+        duration = time.perf_counter() - self.started
+        outcome = classify(response, exc)
+        self.client._conclude(self.plan, outcome)
+        set_span_outcome(self.span, outcome)
+        self.client._telemetry.record_release(outcome, self.plan.release.reason, duration)
+        return outcome
+
+
+def span_attributes(plan: ReleasePlan) -> dict[str, Any]:
+    parts = urlsplit(plan.target.url)
+    attrs: dict[str, Any] = {
+        "gen_ai.conversation.id": plan.session_id,
+        "gen_ai.request.model": plan.target.model,
+        "jiuwen.release.reason": plan.release.reason,
+        "jiuwen.release.messages_released_index": plan.release.messages_released_index,
+        "jiuwen.release.messages_count": len(plan.old.messages),
+        "server.address": parts.hostname or "",
+        "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+        "url.full": plan.target.url,
+    }
+    if plan.release.tools_released_index is not None:
+        attrs["jiuwen.release.tools_released_index"] = plan.release.tools_released_index
+    return attrs
+
+
+def set_span_outcome(span: Any, outcome: Outcome) -> None:
+    if outcome.status_code is not None:
+        span.set_attribute("http.response.status_code", outcome.status_code)
+    if outcome.block_released is not None:
+        span.set_attribute("jiuwen.release.block_released", outcome.block_released)
+    if not outcome.ok:
+        span.set_attribute("error.type", outcome.error_type or outcome.outcome)
+        span.set_status(Status(StatusCode.ERROR, outcome.outcome))
+
+
+def classify(response: httpx.Response | None, exc: BaseException | None) -> Outcome:
+    """Map a response or a transport exception to an ``Outcome``."""
+    if exc is not None:
+        if isinstance(exc, httpx.TimeoutException):
+            kind = "timeout"
+        elif isinstance(exc, httpx.ConnectError):
+            kind = "connect_error"
+        elif isinstance(exc, httpx.ReadError | httpx.RemoteProtocolError | httpx.WriteError):
+            kind = "connection_reset"
+        else:
+            kind = "error"
+        return Outcome(kind, error_type=type(exc).__name__)
+    assert response is not None
+    status = response.status_code
+    if status != 200:
+        return Outcome(f"http_{status}", status_code=status, error_type=str(status))
+    try:
+        data = response.json()
+        blocks = data["block_released"]
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+            raise ValueError(blocks)
+    except Exception:
+        return Outcome("invalid_response", status_code=status, error_type="invalid_response")
+    return Outcome("ok", block_released=blocks, status_code=status)

@@ -1,0 +1,166 @@
+"""Pure core: the per-session table of last-sent windows, bounded in size and idle time.
+
+The table answers one question per model call or compressor run: "given what this session sent
+last, what must be released now?". The diff and the snapshot update happen under one lock, so
+concurrent callers never release the same range twice or lose a release.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._diff import Release, ReleasePolicy, Window, diff_windows
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePlan:
+    """A release to dispatch: the previous window as sent and where its cache went stale."""
+
+    session_id: str
+    old: Window
+    release: Release
+    target: Any  # opaque to the core: where and how to send (see _release.EngineTarget)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Result of one observation: a plan to send, a reason it was skipped, or neither."""
+
+    plan: ReleasePlan | None = None
+    skipped: str | None = None
+
+
+NOTHING = Decision()
+
+
+@dataclass(slots=True)
+class _State:
+    window: Window
+    target: Any
+    last_used: float
+    #: A compressor already released the current window from this message index on.
+    released_from: int | None = None
+    #: The caller's own list object of the last call, to recognise it in a compressor.
+    source: Any = field(default=None, repr=False)
+
+
+class SessionTable:
+    """LRU-ordered map session id → last window sent, with a size limit and an idle TTL."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        idle_ttl: float,
+        policy: ReleasePolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        self._states: OrderedDict[str, _State] = OrderedDict()
+        self._by_source: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._max = max_sessions
+        self._ttl = idle_ttl
+        self._policy = policy
+        self._clock = clock
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def observe(self, session_id: str, window: Window, target: Any, source: Any = None) -> Decision:
+        """A model call is about to send ``window``: diff it against the last one and record it."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            state = self._states.get(session_id)
+            if state is None:
+                self._states[session_id] = _State(window, target, now)
+                self._remember_source(session_id, None, source)
+                self._evict_over_limit()
+                return NOTHING
+            self._states.move_to_end(session_id)
+            old, released_from = state.window, state.released_from
+            self._remember_source(session_id, state.source, source)
+            state.window, state.target, state.last_used = window, target, now
+            state.released_from, state.source = None, source
+            release = diff_windows(old, window)
+            if release is None:
+                return NOTHING
+            if (
+                released_from is not None
+                and release.tools_released_index is None
+                and release.messages_released_index >= released_from
+            ):
+                return Decision(skipped="already_released")
+            return self._decide(session_id, old, release, target)
+
+    def rewrite(
+        self, session_id: str, messages: tuple[dict[str, Any], ...], reason: str
+    ) -> Decision:
+        """A compressor rewrote the session's history to ``messages`` (not sent yet): release what
+        the rewrite made stale, and remember it so the next model call does not release it again.
+        """
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            state = self._states.get(session_id)
+            if state is None:
+                return Decision(skipped="unknown_session")
+            self._states.move_to_end(session_id)
+            state.last_used = now
+            old = state.window
+            release = diff_windows(old, Window(messages, old.tools))
+            if release is None:
+                return NOTHING
+            if (
+                state.released_from is not None
+                and release.messages_released_index >= state.released_from
+            ):
+                return Decision(skipped="already_released")
+            decision = self._decide(session_id, old, release.relabel(reason), state.target)
+            if decision.plan is not None:
+                state.released_from = release.messages_released_index
+            return decision
+
+    def session_of(self, source: Any) -> str | None:
+        """The session whose last model call passed exactly this list object, if any."""
+        with self._lock:
+            session_id = self._by_source.get(id(source))
+            state = self._states.get(session_id) if session_id is not None else None
+            return session_id if state is not None and state.source is source else None
+
+    def _decide(self, session_id: str, old: Window, release: Release, target: Any) -> Decision:
+        skipped = self._policy.skip_reason(release, len(old.messages))
+        if skipped is not None:
+            return Decision(skipped=skipped)
+        return Decision(plan=ReleasePlan(session_id, old, release, target))
+
+    def _remember_source(self, session_id: str, previous: Any, source: Any) -> None:
+        if previous is not None and self._by_source.get(id(previous)) == session_id:
+            del self._by_source[id(previous)]
+        if source is not None:
+            self._by_source[id(source)] = session_id
+
+    def _forget(self, session_id: str, state: _State) -> None:
+        self._remember_source(session_id, state.source, None)
+        self.evicted += 1
+
+    def _expire(self, now: float) -> None:
+        while self._states:
+            session_id, state = next(iter(self._states.items()))
+            if now - state.last_used <= self._ttl:
+                return
+            del self._states[session_id]
+            self._forget(session_id, state)
+
+    def _evict_over_limit(self) -> None:
+        while len(self._states) > self._max:
+            session_id, state = self._states.popitem(last=False)
+            self._forget(session_id, state)

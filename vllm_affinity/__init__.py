@@ -1,0 +1,1 @@
+"""vllm_affinity: the vLLM plugin (server half). Placeholder until its own issue lands."""
