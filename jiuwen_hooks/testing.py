@@ -1,0 +1,299 @@
+"""Test helpers for users' own agent tests (also used by this project's tests).
+
+``LocalEngine`` is a real HTTP server on loopback that speaks enough of the OpenAI API for the
+``openai`` client (``/v1/chat/completions``, streamed or not; ``/v1/models``) and serves
+``/release_kv_cache``, recording every request. Its release answer can be switched to any status,
+a non-JSON body, a slow answer, or a connection reset mid-response.
+
+``TelemetryCapture`` holds an in-memory span exporter and metric reader (needs the OTel SDK:
+``pip install 'jiuwen-kv-affinity[otel]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: Any  # parsed JSON, or the raw text when it is not JSON
+
+
+@dataclass
+class ReleaseAnswer:
+    """How ``/release_kv_cache`` answers. ``block_released=None``: the number of released messages
+    (``len(messages) - messages_released_index``), which makes tests easy to read."""
+
+    status: int = 200
+    delay: float = 0.0
+    non_json: bool = False
+    reset: bool = False
+    block_released: int | None = None
+
+
+@dataclass
+class _Records:
+    releases: list[RecordedRequest] = field(default_factory=list)
+    chats: list[RecordedRequest] = field(default_factory=list)
+    answer: ReleaseAnswer = field(default_factory=ReleaseAnswer)
+    lock: threading.Condition = field(default_factory=threading.Condition)
+
+
+class LocalEngine:
+    """A recording OpenAI-compatible server on 127.0.0.1 (real sockets, real HTTP)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, reply: str = "ok") -> None:
+        self._records = _Records()
+        handler = type("_Handler", (_Handler,), {"records": self._records, "reply": reply})
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> LocalEngine:
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> LocalEngine:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- addresses ----------------------------------------------------------------------------
+    @property
+    def root_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def base_url(self) -> str:
+        """What to give ``openai.OpenAI(base_url=...)``."""
+        return self.root_url + "/v1"
+
+    # -- behaviour and records ----------------------------------------------------------------
+    def answer_releases(
+        self,
+        status: int = 200,
+        *,
+        delay: float = 0.0,
+        non_json: bool = False,
+        reset: bool = False,
+        block_released: int | None = None,
+    ) -> None:
+        with self._records.lock:
+            self._records.answer = ReleaseAnswer(status, delay, non_json, reset, block_released)
+
+    @property
+    def releases(self) -> list[RecordedRequest]:
+        with self._records.lock:
+            return list(self._records.releases)
+
+    @property
+    def chats(self) -> list[RecordedRequest]:
+        with self._records.lock:
+            return list(self._records.chats)
+
+    def clear(self) -> None:
+        with self._records.lock:
+            self._records.releases.clear()
+            self._records.chats.clear()
+
+    def wait_for_releases(self, count: int, timeout: float = 5.0) -> list[RecordedRequest]:
+        """Block until at least ``count`` releases arrived (for background dispatch)."""
+        deadline = time.monotonic() + timeout
+        with self._records.lock:
+            while len(self._records.releases) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._records.lock.wait(remaining)
+            return list(self._records.releases)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    records: _Records
+    reply: str
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+        pass
+
+    def _read(self) -> RecordedRequest:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length).decode("utf-8", "replace") if length else ""
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            body = raw
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        return RecordedRequest(self.path, headers, body)
+
+    def _send(self, status: int, payload: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _error(self, status: int, message: str) -> None:
+        body = {
+            "error": {"message": message, "type": "NotFoundError", "param": None, "code": status}
+        }
+        self._send(status, json.dumps(body).encode())
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"object": "list", "data": []}).encode())
+        else:
+            self._error(404, "Not Found")
+
+    def do_POST(self) -> None:
+        request = self._read()
+        if self.path == "/release_kv_cache":
+            self._release(request)
+        elif self.path == "/v1/chat/completions":
+            with self.records.lock:
+                self.records.chats.append(request)
+            self._chat(request)
+        else:
+            self._error(404, "Not Found")
+
+    def _release(self, request: RecordedRequest) -> None:
+        with self.records.lock:
+            self.records.releases.append(request)
+            self.records.lock.notify_all()
+            answer = self.records.answer
+        if answer.delay:
+            time.sleep(answer.delay)
+        if answer.reset:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"cache_salt": ')
+            self.wfile.flush()
+            # SO_LINGER 0: close with a TCP RST instead of a clean FIN.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return
+        if answer.non_json:
+            self._send(answer.status, b"<html>surprise</html>", "text/html")
+            return
+        if answer.status != 200:
+            self._error(answer.status, f"release answered {answer.status}")
+            return
+        body = request.body if isinstance(request.body, dict) else {}
+        blocks = answer.block_released
+        if blocks is None:
+            blocks = max(
+                0, len(body.get("messages") or []) - int(body.get("messages_released_index") or 0)
+            )
+        self._send(
+            200,
+            json.dumps({"cache_salt": body.get("cache_salt"), "block_released": blocks}).encode(),
+        )
+
+    def _chat(self, request: RecordedRequest) -> None:
+        body = request.body if isinstance(request.body, dict) else {}
+        model = body.get("model", "local")
+        created = int(time.time())
+        text = f"{self.reply} ({len(body.get('messages') or [])} messages)"
+        if not body.get("stream"):
+            completion = {
+                "id": "chatcmpl-local",
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+            self._send(200, json.dumps(completion).encode())
+            return
+        deltas = [{"role": "assistant", "content": ""}, {"content": text}, {}]
+        events = []
+        for i, delta in enumerate(deltas):
+            chunk = {
+                "id": "chatcmpl-local",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": delta, "finish_reason": "stop" if i == 2 else None}
+                ],
+            }
+            events.append(f"data: {json.dumps(chunk)}\n\n")
+        events.append("data: [DONE]\n\n")
+        self._send(200, "".join(events).encode(), "text/event-stream")
+
+
+class TelemetryCapture:
+    """In-memory OTel tracer and meter providers for assertions on spans and metrics."""
+
+    def __init__(self) -> None:
+        try:
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+            from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+                InMemorySpanExporter,
+            )
+        except ImportError as exc:  # pragma: no cover - depends on the user's environment
+            raise RuntimeError(
+                "TelemetryCapture needs the OpenTelemetry SDK: pip install 'jiuwen-kv-affinity[otel]'"
+            ) from exc
+        self.exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.metric_reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader])
+
+    def spans(self, name: str | None = None) -> list[Any]:
+        return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
+
+    def metric_points(self, name: str) -> list[Any]:
+        """All data points of metric ``name`` collected so far (cumulative)."""
+        data = self.metric_reader.get_metrics_data()
+        points: list[Any] = []
+        for resource_metrics in data.resource_metrics if data else ():
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    if metric.name == name:
+                        points.extend(metric.data.data_points)
+        return points
+
+    def metric_sum(self, name: str, **attributes: Any) -> float:
+        """Sum of a counter's points whose attributes include ``attributes``."""
+        return sum(
+            p.value
+            for p in self.metric_points(name)
+            if all(p.attributes.get(k) == v for k, v in attributes.items())
+        )
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
