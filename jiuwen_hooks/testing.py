@@ -264,7 +264,8 @@ class TelemetryCapture:
             )
         except ImportError as exc:  # pragma: no cover - depends on the user's environment
             raise RuntimeError(
-                "TelemetryCapture needs the OpenTelemetry SDK: pip install 'jiuwen-kv-affinity[otel]'"
+                "TelemetryCapture needs the OpenTelemetry SDK: "
+                "pip install 'jiuwen-kv-affinity[otel]'"
             ) from exc
         self.exporter = InMemorySpanExporter()
         self.tracer_provider = TracerProvider()
