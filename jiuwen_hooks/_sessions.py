@@ -81,7 +81,7 @@ class SessionTable:
             self._expire(now)
             state = self._states.get(session_id)
             if state is None:
-                self._states[session_id] = _State(window, target, now)
+                self._states[session_id] = _State(window, target, now, source=source)
                 self._remember_source(session_id, None, source)
                 self._evict_over_limit()
                 return NOTHING

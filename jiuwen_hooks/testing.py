@@ -44,6 +44,7 @@ class ReleaseAnswer:
 class _Records:
     releases: list[RecordedRequest] = field(default_factory=list)
     chats: list[RecordedRequest] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     answer: ReleaseAnswer = field(default_factory=ReleaseAnswer)
     lock: threading.Condition = field(default_factory=threading.Condition)
 
@@ -60,7 +61,9 @@ class LocalEngine:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> LocalEngine:
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
         return self
 
@@ -110,10 +113,17 @@ class LocalEngine:
         with self._records.lock:
             return list(self._records.chats)
 
+    @property
+    def paths(self) -> list[str]:
+        """Paths of all POST requests in arrival order (to check a release preceded a chat)."""
+        with self._records.lock:
+            return list(self._records.paths)
+
     def clear(self) -> None:
         with self._records.lock:
             self._records.releases.clear()
             self._records.chats.clear()
+            self._records.paths.clear()
 
     def wait_for_releases(self, count: int, timeout: float = 5.0) -> list[RecordedRequest]:
         """Block until at least ``count`` releases arrived (for background dispatch)."""
@@ -166,6 +176,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         request = self._read()
+        with self.records.lock:
+            self.records.paths.append(self.path)
         if self.path == "/release_kv_cache":
             self._release(request)
         elif self.path == "/v1/chat/completions":

@@ -1,0 +1,40 @@
+"""Shared fixtures: real openai clients pointed at the real loopback ``LocalEngine``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import openai
+import pytest
+
+from jiuwen_hooks.testing import LocalEngine
+
+
+@pytest.fixture
+def client(jiuwen_engine: LocalEngine) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=jiuwen_engine.base_url, api_key="sk-test", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(jiuwen_engine: LocalEngine) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=jiuwen_engine.base_url, api_key="sk-test", max_retries=0
+    ) as c:
+        yield c
+
+
+def system_and_user(n_turns: int = 1) -> list[dict[str, str]]:
+    window = [{"role": "system", "content": "You are a careful agent."}]
+    for i in range(n_turns):
+        window.append({"role": "user", "content": f"question {i}"})
+    return window
+
+
+@pytest.fixture(params=["sync", "async"])
+def call(request: pytest.FixtureRequest, jiuwen_engine: LocalEngine) -> Iterator[object]:
+    from callers import Caller
+
+    caller = Caller(request.param, jiuwen_engine.base_url)
+    yield caller
+    caller.close()

@@ -1,0 +1,196 @@
+"""The hook end to end through the real openai client against a real loopback HTTP server:
+every diff rule, salt injection, streaming, raw responses, sync and async."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from callers import Caller
+from conftest import system_and_user
+
+import jiuwen_hooks
+from jiuwen_hooks.testing import LocalEngine
+
+pytestmark = pytest.mark.usefixtures("jiuwen_hook")
+
+
+def released(engine: LocalEngine) -> list[tuple[str, int, int | None]]:
+    return [
+        (r.body["cache_salt"], r.body["messages_released_index"], r.body.get("tools_released_index"))
+        for r in engine.releases
+    ]
+
+
+def test_append_only_turns_release_nothing(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user()
+    for turn in range(3):
+        reply = call(window)
+        window += [reply.choices[0].message, {"role": "user", "content": f"next {turn}"}]
+    assert jiuwen_engine.releases == []
+    assert len(jiuwen_engine.chats) == 3
+
+
+def test_rewrite_releases_previous_window_before_the_chat(
+    call: Caller, jiuwen_engine: LocalEngine
+) -> None:
+    window = system_and_user(3)
+    call(window)
+    sent_before = [dict(m) for m in window]
+    window[2] = {"role": "user", "content": "[Old tool result content cleared]"}
+    call(window)
+    (release,) = jiuwen_engine.releases
+    assert release.body["messages"] == sent_before
+    assert release.body["messages_released_index"] == 2
+    assert release.body["model"] == "m"
+    assert release.body["cache_sharing"] is True
+    assert release.headers["authorization"] == "Bearer sk-test"
+    assert jiuwen_engine.paths == [
+        "/v1/chat/completions",
+        "/release_kv_cache",
+        "/v1/chat/completions",
+    ]
+
+
+def test_in_place_mutation_is_detected(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    call(window)
+    window[1]["content"] = "edited in place"
+    call(window)
+    assert released(jiuwen_engine) == [("s", 1, None)]
+    assert jiuwen_engine.releases[0].body["messages"][1]["content"] == "question 0"
+
+
+def test_truncation_releases_from_new_length(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(4)
+    call(window)
+    call(window[:2])
+    assert released(jiuwen_engine) == [("s", 2, None)]
+
+
+def test_changed_tools(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    def tool(name: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+    window = system_and_user()
+    call(window, tools=[tool("weather"), tool("time")])
+    call(window, tools=[tool("weather"), tool("clock")])
+    assert released(jiuwen_engine) == [("s", 2, 1)]
+    assert jiuwen_engine.releases[0].body["tools"][1]["function"]["name"] == "time"
+
+
+def test_sdk_message_objects_compare_as_their_wire_form(
+    call: Caller, jiuwen_engine: LocalEngine
+) -> None:
+    window = system_and_user()
+    reply = call(window).choices[0].message
+    window.append(reply)
+    call(window)
+    window[-1] = reply.model_dump(exclude_none=True)  # the agent re-serialises its history
+    window.append({"role": "user", "content": "more"})
+    call(window)
+    assert jiuwen_engine.releases == []
+
+
+def test_session_is_injected_without_clobbering(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    body = {"top_k": 5, "cache_sharing": False}
+    headers = {"X-Trace": "mine"}
+    call(system_and_user(), extra_body=body, extra_headers=headers)
+    chat = jiuwen_engine.chats[0]
+    assert chat.body["cache_salt"] == "s"
+    assert chat.body["top_k"] == 5
+    assert chat.body["cache_sharing"] is False
+    assert chat.headers["x-session-id"] == "s"
+    assert chat.headers["x-trace"] == "mine"
+    assert body == {"top_k": 5, "cache_sharing": False}  # the caller's dict is not mutated
+    assert headers == {"X-Trace": "mine"}
+
+
+def test_explicit_cache_salt_wins_over_context(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    call(window, session="ctx", extra_body={"cache_salt": "explicit"})
+    call(window[:1], session="ctx", extra_body={"cache_salt": "explicit"})
+    assert released(jiuwen_engine) == [("explicit", 1, None)]
+    assert jiuwen_engine.chats[0].headers["x-session-id"] == "explicit"
+
+
+def test_session_from_header(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    call(window, session=None, extra_headers={"x-session-id": "hdr"})
+    call(window[:1], session=None, extra_headers={"x-session-id": "hdr"})
+    assert released(jiuwen_engine) == [("hdr", 1, None)]
+    assert jiuwen_engine.chats[0].body["cache_salt"] == "hdr"
+    assert "X-Session-ID" not in jiuwen_engine.chats[0].headers  # header names are lower-cased
+
+
+def test_no_session_passes_through_untouched(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    call(window, session=None)
+    call(window[:1], session=None)
+    assert jiuwen_engine.releases == []
+    assert "cache_salt" not in jiuwen_engine.chats[0].body
+    assert "x-session-id" not in jiuwen_engine.chats[0].headers
+
+
+def test_streaming_calls_release_first(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    chunks = call(window, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "ok (3 messages)"
+    call(window[:2], stream=True)
+    assert released(jiuwen_engine) == [("s", 2, None)]
+    assert jiuwen_engine.paths[-2:] == ["/release_kv_cache", "/v1/chat/completions"]
+
+
+def test_with_raw_response(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    create = call.client.chat.completions.with_raw_response.create
+
+    async def acreate(**kw: Any) -> Any:
+        return await create(**kw)
+
+    for messages in (window, window[:1]):
+        with jiuwen_hooks.session("raw"):
+            if call.mode == "sync":
+                raw = create(model="m", messages=messages)
+            else:
+                raw = call.run(acreate(model="m", messages=messages))
+        assert raw.http_response.status_code == 200
+    assert released(jiuwen_engine) == [("raw", 1, None)]
+
+
+def test_parse_releases_once(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    parse = call.client.chat.completions.parse
+
+    async def aparse(**kw: Any) -> Any:
+        return await parse(**kw)
+
+    for messages in (window, window[:1]):
+        with jiuwen_hooks.session("p"):
+            if call.mode == "sync":
+                parse(model="m", messages=messages)
+            else:
+                call.run(aparse(model="m", messages=messages))
+    assert released(jiuwen_engine) == [("p", 1, None)]
+
+
+def test_generator_messages_still_reach_the_server(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    window = system_and_user(2)
+    call(m for m in window)
+    assert len(jiuwen_engine.chats[0].body["messages"]) == 3
+
+
+def test_session_resolver(
+    jiuwen_engine: LocalEngine, jiuwen_telemetry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jiuwen_hooks.uninstall()
+    jiuwen_hooks.install(session_resolver=lambda kw: kw.get("user") or None)
+    try:
+        caller = Caller("sync", jiuwen_engine.base_url)
+        window = system_and_user(2)
+        caller(window, session=None, user="u-7")
+        caller(window[:1], session=None, user="u-7")
+        caller.close()
+    finally:
+        jiuwen_hooks.uninstall()
+    assert released(jiuwen_engine) == [("u-7", 1, None)]
