@@ -63,32 +63,20 @@ class Patches:
         return True
 
     def remove_all(self) -> None:
+        """Splice each wrapper out of its chain (wrapt's ``unwrap_object``), newest first."""
         while self._applied:
             owner, attribute, ours = self._applied.pop()
-            if not _remove_from_chain(owner, attribute, ours):
+            try:
+                removed = wrapt.unwrap_object(owner, attribute, ours, missing_ok=True)
+            except wrapt.WrapperNotOutermostError:
+                removed = None
+            if removed is None:
                 logger.warning(
                     "jiuwen_hooks: %s.%s was replaced by something that is not a wrapt wrapper; "
                     "left as it is",
                     getattr(owner, "__name__", owner),
                     attribute,
                 )
-
-
-def _remove_from_chain(owner: Any, attribute: str, ours: wrapt.FunctionWrapper) -> bool:
-    """Take ``ours`` out of a stack of wrapt wrappers, wherever it sits in it: the wrapper above
-    it is re-pointed at what ``ours`` wrapped, so later removals still restore the original."""
-    current = owner.__dict__.get(attribute) if inspect.isclass(owner) else getattr(owner, attribute)
-    if current is ours:
-        setattr(owner, attribute, ours.__wrapped__)
-        return True
-    node = current
-    while isinstance(node, wrapt.ObjectProxy):
-        inner = node.__wrapped__
-        if inner is ours:
-            node.__wrapped__ = ours.__wrapped__
-            return True
-        node = inner
-    return False
 
 
 def chat_wrapper(before: Callable[..., Any], dispatch: Callable[..., Any]) -> Wrapper:

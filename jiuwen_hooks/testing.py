@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,8 +56,7 @@ class LocalEngine:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, reply: str = "ok") -> None:
         self._records = _Records()
         handler = type("_Handler", (_Handler,), {"records": self._records, "reply": reply})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self._server = _QuietServer((host, port), handler)
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -135,6 +135,16 @@ class LocalEngine:
                     break
                 self._records.lock.wait(remaining)
             return list(self._records.releases)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 512  # many agents connecting at once must not be refused
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gave up (timeout) or a reset we caused ourselves is not an error here.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

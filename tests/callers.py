@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any
 
 import openai
@@ -32,7 +33,7 @@ class Caller:
                 return self.client.chat.completions.create(messages=messages, **kwargs)
             with jiuwen_hooks.session(session):
                 return self.client.chat.completions.create(messages=messages, **kwargs)
-        return self._runner.run(self._acall(messages, session, kwargs))
+        return self.run(self._acall(messages, session, kwargs))
 
     async def _acall(self, messages: Any, session: str | None, kwargs: dict[str, Any]) -> Any:
         if session is None:
@@ -45,7 +46,8 @@ class Caller:
         return result
 
     def run(self, coro: Any) -> Any:
-        return self._runner.run(coro)
+        """Run on the caller's loop in a copy of the current context (spans, session)."""
+        return self._runner.run(coro, context=contextvars.copy_context())
 
     def close(self) -> None:
         if self.mode == "sync":

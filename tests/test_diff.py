@@ -53,7 +53,10 @@ def test_rewrite_shorter_window_is_a_rewrite() -> None:
 
 
 def test_changed_tool_only() -> None:
-    t1, t2 = {"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}
+    t1, t2 = (
+        {"type": "function", "function": {"name": "a"}},
+        {"type": "function", "function": {"name": "b"}},
+    )
     old, new = W("a", "b", tools=(t1, t2)), W("a", "b", "c", tools=(t1, {"type": "function"}))
     assert diff_windows(old, new) == Release(2, 1, "tools")
 
@@ -76,11 +79,17 @@ def test_pydantic_message_equals_its_dict() -> None:
     plain = {
         "role": "assistant",
         "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+            }
         ],
     }
     assert canonical_message(obj) == canonical_message(plain)
-    assert canonical_message({**plain, "content": None, "refusal": None}) == canonical_message(plain)
+    assert canonical_message({**plain, "content": None, "refusal": None}) == canonical_message(
+        plain
+    )
 
 
 def test_content_parts_are_plain_copies() -> None:

@@ -17,7 +17,11 @@ pytestmark = pytest.mark.usefixtures("jiuwen_hook")
 
 def released(engine: LocalEngine) -> list[tuple[str, int, int | None]]:
     return [
-        (r.body["cache_salt"], r.body["messages_released_index"], r.body.get("tools_released_index"))
+        (
+            r.body["cache_salt"],
+            r.body["messages_released_index"],
+            r.body.get("tools_released_index"),
+        )
         for r in engine.releases
     ]
 
@@ -174,7 +178,9 @@ def test_parse_releases_once(call: Caller, jiuwen_engine: LocalEngine) -> None:
     assert released(jiuwen_engine) == [("p", 1, None)]
 
 
-def test_generator_messages_still_reach_the_server(call: Caller, jiuwen_engine: LocalEngine) -> None:
+def test_generator_messages_still_reach_the_server(
+    call: Caller, jiuwen_engine: LocalEngine
+) -> None:
     window = system_and_user(2)
     call(m for m in window)
     assert len(jiuwen_engine.chats[0].body["messages"]) == 3

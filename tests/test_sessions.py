@@ -71,7 +71,9 @@ def test_compressor_release_is_not_repeated_by_next_call() -> None:
     t.observe("s", W("a", "b", "c"), None)
     decision = t.rewrite("s", W("a", "short", "c").messages, "compressor:c")
     assert decision.plan is not None and decision.plan.release.reason == "compressor:c"
-    assert t.rewrite("s", W("a", "short", "c").messages, "compressor:c").skipped == "already_released"
+    assert (
+        t.rewrite("s", W("a", "short", "c").messages, "compressor:c").skipped == "already_released"
+    )
     d = t.observe("s", W("a", "short", "c", "d"), None)
     assert d.plan is None and d.skipped == "already_released"
     # after that call the snapshot is the new window: a later rewrite releases again

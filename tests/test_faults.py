@@ -1,0 +1,143 @@
+"""Fault matrix: whatever the release endpoint does, the agent's call returns its normal result;
+every outcome is counted; 404/405 start a cool-down with a single warning."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import pytest
+from callers import Caller
+from conftest import system_and_user
+
+import jiuwen_hooks
+from jiuwen_hooks.testing import LocalEngine
+
+FAULTS: dict[str, tuple[dict[str, Any], str]] = {
+    "200": ({}, "ok"),
+    "200-non-json": ({"non_json": True}, "invalid_response"),
+    "400": ({"status": 400}, "http_400"),
+    "404": ({"status": 404}, "http_404"),
+    "405": ({"status": 405}, "http_405"),
+    "500": ({"status": 500}, "http_500"),
+    "503": ({"status": 503}, "http_503"),
+    "timeout": ({"delay": 1.0}, "timeout"),
+    "reset": ({"reset": True}, "connection_reset"),
+}
+
+
+@pytest.fixture
+def jiuwen_hook_options() -> dict[str, Any]:
+    return {"timeout": 0.3}
+
+
+def rewrite_once(call: Caller) -> Any:
+    window = system_and_user(3)
+    call(window)
+    return call(window[:2])
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=list(FAULTS))
+def test_agent_call_survives(
+    fault: str, call: Caller, jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+) -> None:
+    answer, outcome = FAULTS[fault]
+    jiuwen_engine.answer_releases(**answer)
+    reply = rewrite_once(call)
+    assert reply.choices[0].message.content == "ok (2 messages)"
+    assert len(jiuwen_engine.releases) == 1
+    stats = jiuwen_hooks.stats()
+    assert stats[f"releases.{outcome}"] == 1
+    assert stats["releases.total"] == 1
+    assert stats.get("internal_errors", 0) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connection_refused(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    jiuwen_hooks.uninstall()
+    jiuwen_hooks.install(release_url=f"http://127.0.0.1:{free_port()}/release_kv_cache")
+    try:
+        reply = rewrite_once(call)
+        stats = jiuwen_hooks.stats()
+    finally:
+        jiuwen_hooks.uninstall()
+    assert reply.choices[0].message.content == "ok (2 messages)"
+    assert stats["releases.connect_error"] == 1
+
+
+@pytest.mark.parametrize("status", [404, 405])
+def test_unsupported_endpoint_cools_down_with_one_warning(
+    status: int,
+    call: Caller,
+    jiuwen_engine: LocalEngine,
+    jiuwen_hook: jiuwen_hooks.Hook,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    jiuwen_engine.answer_releases(status)
+    window = system_and_user(6)
+    with caplog.at_level(logging.WARNING, logger="jiuwen_hooks"):
+        for n in (6, 5, 4, 3):
+            call(window[:n])
+    assert len(jiuwen_engine.releases) == 1  # the later three were not sent
+    stats = jiuwen_hooks.stats()
+    assert stats[f"releases.http_{status}"] == 1
+    assert stats["releases.unsupported"] == 2
+    warnings = [r for r in caplog.records if "not supported" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_cool_down_expires(call: Caller, jiuwen_engine: LocalEngine, jiuwen_telemetry: Any) -> None:
+    jiuwen_hooks.uninstall()
+    jiuwen_hooks.install(unsupported_cooldown=0)
+    try:
+        jiuwen_engine.answer_releases(404)
+        window = system_and_user(4)
+        call(window)
+        call(window[:3])
+        jiuwen_engine.answer_releases(200)
+        call(window[:2])
+    finally:
+        jiuwen_hooks.uninstall()
+    assert len(jiuwen_engine.releases) == 2
+
+
+def test_failures_warn_at_a_limited_rate(
+    call: Caller,
+    jiuwen_engine: LocalEngine,
+    jiuwen_hook: jiuwen_hooks.Hook,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    jiuwen_engine.answer_releases(500)
+    window = system_and_user(6)
+    with caplog.at_level(logging.WARNING, logger="jiuwen_hooks"):
+        for n in (6, 5, 4, 3):
+            call(window[:n])
+    assert len(jiuwen_engine.releases) == 3
+    assert jiuwen_hooks.stats()["releases.http_500"] == 3
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+
+
+def test_background_dispatch_does_not_wait(
+    call: Caller, jiuwen_engine: LocalEngine, jiuwen_telemetry: Any
+) -> None:
+    jiuwen_hooks.uninstall()
+    hook = jiuwen_hooks.install(dispatch="background", timeout=2.0)
+    try:
+        jiuwen_engine.answer_releases(delay=1.0)
+        window = system_and_user(3)
+        call(window)
+        call(window[:2])
+        # the chat call returned while the server was still holding the release
+        assert jiuwen_hooks.stats().get("releases.total", 0) == 0
+        if call.mode == "async":
+            call.run(hook.aflush())
+        hook.flush()
+        assert jiuwen_hooks.stats()["releases.ok"] == 1
+    finally:
+        jiuwen_hooks.uninstall()
