@@ -1,4 +1,4 @@
-"""Compressors named by dotted path in tests (``install(compressors=["agent_compressors:..."])``)."""
+"""Compressors that tests name by dotted path (``install(compressors=[...])``)."""
 
 from __future__ import annotations
 
