@@ -149,6 +149,7 @@ class _QuietServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stalls
     records: _Records
     reply: str
 

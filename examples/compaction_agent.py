@@ -1,0 +1,158 @@
+"""Demo: a tool-using agent whose micro-compaction triggers a KV-cache release.
+
+The original design's scenario: three rounds of weather look-ups (Paris, Oslo, Lima); before the
+final model call a compressor clears the two older tool results, so a release fires from the first
+cleared message. Then a few sessions run side by side, each compacting once.
+
+    python examples/compaction_agent.py                    # against a local recording server
+    python examples/compaction_agent.py --base-url URL     # against a real server (e.g. vLLM)
+
+The agent's tool calls are scripted, so it runs on any model (including a random-weight one);
+what matters here is the window the agent sends and the releases the hook sends first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from contextlib import ExitStack
+from typing import Any
+
+import openai
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import jiuwen_hooks
+from jiuwen_hooks.testing import LocalEngine
+
+PLACEHOLDER = "[Old tool result content cleared]"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@jiuwen_hooks.compressor(name="micro_compact")
+def micro_compact(messages: list[dict[str, Any]], keep_last: int = 1) -> None:
+    """Clear all but the newest ``keep_last`` tool results in place (metadata kept)."""
+    tool_indices = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
+    for i in tool_indices[: max(0, len(tool_indices) - keep_last)]:
+        messages[i] = {**messages[i], "content": PLACEHOLDER}
+
+
+def weather_report(city: str) -> str:
+    """A long tool result, as real tools return: this is what compaction later clears."""
+    hours = [f"{h:02d}:00 {city} {12 + h % 7}C wind {3 + h % 5} m/s" for h in range(24)]
+    return json.dumps({"city": city, "hourly": hours})
+
+
+def run_weather_agent(client: openai.OpenAI, model: str, session: str, say: Any) -> None:
+    window: list[Any] = [
+        {"role": "system", "content": "You are a weather assistant. Use get_weather."},
+        {"role": "user", "content": "Compare the weather in Paris, Oslo and Lima."},
+    ]
+    with jiuwen_hooks.session(session):
+        for round_no, city in enumerate(("Paris", "Oslo", "Lima"), start=1):
+            reply = client.chat.completions.create(
+                model=model, messages=window, tools=[WEATHER_TOOL], max_tokens=8
+            )
+            say(f"  [{session}] round {round_no}: model call with {len(window)} messages")
+            call_id = f"call_{city.lower()}"
+            window.append(
+                {
+                    "role": "assistant",
+                    "content": reply.choices[0].message.content or "",
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+                        }
+                    ],
+                }
+            )
+            window.append({"role": "tool", "tool_call_id": call_id, "content": weather_report(city)})
+        micro_compact(window)
+        say(f"  [{session}] micro-compaction cleared the 2 older tool results")
+        client.chat.completions.create(
+            model=model, messages=window, tools=[WEATHER_TOOL], max_tokens=8
+        )
+        say(f"  [{session}] final model call with {len(window)} messages")
+
+
+def describe_release(body: dict[str, Any]) -> str:
+    tools = body.get("tools_released_index")
+    extra = f", tools_released_index={tools}" if tools is not None else ""
+    return (
+        f"session={body['cache_salt']} messages_released_index={body['messages_released_index']}"
+        f" of {len(body['messages'])}{extra}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: a local server)")
+    parser.add_argument("--model", default="demo", help="served model name")
+    parser.add_argument("--sessions", type=int, default=3, help="sessions in the multi-session run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    with ExitStack() as stack:
+        engine = None
+        base_url = args.base_url
+        if base_url is None:
+            engine = stack.enter_context(LocalEngine(reply="(local server)"))
+            base_url = engine.base_url
+            say(f"Started a local recording server at {engine.root_url} (no model; releases recorded)")
+        jiuwen_hooks.install(tracer_provider=tracer_provider)
+        stack.callback(jiuwen_hooks.uninstall)
+        client = stack.enter_context(openai.OpenAI(base_url=base_url, api_key="demo-key"))
+
+        say("\n1) One agent, three rounds of weather look-ups, then compaction before the final call")
+        run_weather_agent(client, args.model, "weather-1", say)
+
+        say(f"\n2) {args.sessions} sessions side by side, each compacting once")
+        for n in range(args.sessions):
+            run_weather_agent(client, args.model, f"multi-{n}", say)
+
+        say("\nReleases sent (from the client's spans):")
+        for span in exporter.get_finished_spans():
+            a = span.attributes or {}
+            say(
+                f"  {span.name} session={a.get('gen_ai.conversation.id')} "
+                f"reason={a.get('jiuwen.release.reason')} "
+                f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
+                f"block_released={a.get('jiuwen.release.block_released')} "
+                f"status={a.get('http.response.status_code')} "
+                f"trace_id={span.context.trace_id:032x}"
+            )
+        if engine is not None:
+            say("\nWhat the server received on /release_kv_cache (this local server has no KV cache;")
+            say("it answers block_released = number of released messages):")
+            for request in engine.releases:
+                say(f"  {describe_release(request.body)}")
+        say("\nHook counters: " + json.dumps(jiuwen_hooks.stats(), sort_keys=True))
+        say("Spans were kept in memory and printed above (OTLP export comes with the server demo).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
