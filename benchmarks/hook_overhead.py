@@ -74,9 +74,10 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/hook_overhead.json")
     args = parser.parse_args()
     results: dict[str, Any] = {"rounds": args.rounds, "sizes": {}}
-    with LocalEngine() as engine, openai.OpenAI(
-        base_url=engine.base_url, api_key="k", max_retries=0
-    ) as client:
+    with (
+        LocalEngine() as engine,
+        openai.OpenAI(base_url=engine.base_url, api_key="k", max_retries=0) as client,
+    ):
         one_round(client, 10, 20, "warm-up")
         for n in SIZES:
             plain, hooked = [], []

@@ -25,9 +25,13 @@ def agent_window(session: int, messages: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"role": "system", "content": f"system prompt {session} " * 20}]
     for i in range(1, messages):
         if i % 3 == 0:
-            out.append({"role": "tool", "tool_call_id": f"c{i}", "content": f"result {session}/{i} " * 60})
+            out.append(
+                {"role": "tool", "tool_call_id": f"c{i}", "content": f"result {session}/{i} " * 60}
+            )
         else:
-            out.append({"role": "user" if i % 3 == 1 else "assistant", "content": f"turn {i} " * 30})
+            out.append(
+                {"role": "user" if i % 3 == 1 else "assistant", "content": f"turn {i} " * 30}
+            )
     return out
 
 

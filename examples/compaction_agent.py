@@ -77,12 +77,17 @@ def run_weather_agent(client: openai.OpenAI, model: str, session: str, say: Any)
                         {
                             "id": call_id,
                             "type": "function",
-                            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+                            "function": {
+                                "name": "get_weather",
+                                "arguments": json.dumps({"city": city}),
+                            },
                         }
                     ],
                 }
             )
-            window.append({"role": "tool", "tool_call_id": call_id, "content": weather_report(city)})
+            window.append(
+                {"role": "tool", "tool_call_id": call_id, "content": weather_report(city)}
+            )
         micro_compact(window)
         say(f"  [{session}] micro-compaction cleared the 2 older tool results")
         client.chat.completions.create(
@@ -121,12 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         if base_url is None:
             engine = stack.enter_context(LocalEngine(reply="(local server)"))
             base_url = engine.base_url
-            say(f"Started a local recording server at {engine.root_url} (no model; releases recorded)")
+            say(
+                f"Started a local recording server at {engine.root_url} (no model; releases recorded)"
+            )
         jiuwen_hooks.install(tracer_provider=tracer_provider)
         stack.callback(jiuwen_hooks.uninstall)
         client = stack.enter_context(openai.OpenAI(base_url=base_url, api_key="demo-key"))
 
-        say("\n1) One agent, three rounds of weather look-ups, then compaction before the final call")
+        say(
+            "\n1) One agent, three rounds of weather look-ups, then compaction before the final call"
+        )
         run_weather_agent(client, args.model, "weather-1", say)
 
         say(f"\n2) {args.sessions} sessions side by side, each compacting once")
@@ -145,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"trace_id={span.context.trace_id:032x}"
             )
         if engine is not None:
-            say("\nWhat the server received on /release_kv_cache (this local server has no KV cache;")
+            say(
+                "\nWhat the server received on /release_kv_cache (this local server has no KV cache;"
+            )
             say("it answers block_released = number of released messages):")
             for request in engine.releases:
                 say(f"  {describe_release(request.body)}")

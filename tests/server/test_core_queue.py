@@ -1,0 +1,190 @@
+"""The three-segment queue (pure core) against a plain reference model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from vllm_affinity.core import ReleaseResult, Segment, SegmentedFreeBlockQueue
+
+
+@dataclass(eq=False)
+class FakeBlock:
+    block_id: int
+    prev_free_block: Any = None
+    next_free_block: Any = None
+
+
+def ids(blocks: list[Any]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def test_aged_blocks_come_out_first_each_segment_in_lru_order() -> None:
+    """Prior art's scenario: six blocks, some popped and re-appended, some aged."""
+    blocks = [FakeBlock(i) for i in range(6)]
+    q = SegmentedFreeBlockQueue(blocks)
+    popped = q.popleft_n(6)
+    q.append_n(popped)  # all six cached, LRU order 0..5
+    assert q.release(blocks[4]) is ReleaseResult.MOVED
+    assert q.release(blocks[1]) is ReleaseResult.MOVED
+    assert q.release(blocks[1]) is ReleaseResult.NOOP
+    assert ids(q.get_all_free_blocks()) == [4, 1, 0, 2, 3, 5]
+    assert q.segment_sizes() == {"free": 0, "released": 2, "normal": 4}
+    assert ids(q.popleft_n(3)) == [4, 1, 0]
+
+
+def test_uncached_blocks_are_reused_before_released_ones() -> None:
+    blocks = [FakeBlock(i) for i in range(4)]
+    q = SegmentedFreeBlockQueue(blocks)
+    cached = q.popleft_n(2)
+    q.append_n(cached)
+    q.release(blocks[0])
+    assert ids(q.get_all_free_blocks()) == [2, 3, 0, 1]
+    fresh = q.popleft()
+    q.prepend_n([fresh])
+    assert q.popleft() is fresh
+
+
+def test_in_use_block_is_pending_until_freed() -> None:
+    blocks = [FakeBlock(i) for i in range(3)]
+    q = SegmentedFreeBlockQueue(blocks)
+    in_use = q.popleft_n(3)
+    assert q.release(in_use[1]) is ReleaseResult.PENDING
+    assert q.num_pending == 1
+    q.append_n(in_use)
+    assert q.segment_of(in_use[1]) is Segment.RELEASED
+    assert q.num_pending == 0
+    assert ids(q.get_all_free_blocks()) == [1, 0, 2]
+
+
+def test_cancelled_pending_goes_back_to_normal() -> None:
+    block = FakeBlock(0)
+    q = SegmentedFreeBlockQueue([block])
+    q.popleft()
+    q.release(block)
+    assert q.cancel_pending(0)
+    q.append(block)
+    assert q.segment_of(block) is Segment.NORMAL
+
+
+def test_prefix_hit_on_released_block_makes_it_live_again() -> None:
+    blocks = [FakeBlock(i) for i in range(2)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(q.popleft_n(2))
+    q.release(blocks[0])
+    q.remove(blocks[0])  # touched by a prefix hit
+    q.append(blocks[0])  # freed again later
+    assert q.segment_of(blocks[0]) is Segment.NORMAL
+
+
+def test_iter_blocks_after_crosses_segments() -> None:
+    blocks = [FakeBlock(i) for i in range(5)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(q.popleft_n(3))  # 3,4 FREE; 0,1,2 NORMAL
+    q.release(blocks[2])  # 2 RELEASED
+    assert ids(q.iter_blocks_after(None)) == [3, 4, 2, 0, 1]
+    assert ids(q.iter_blocks_after(blocks[4])) == [2, 0, 1]
+    assert ids(q.iter_blocks_after(blocks[2])) == [0, 1]
+    assert ids(q.iter_blocks_after(blocks[1])) == []
+    popped = q.popleft()
+    assert ids(q.iter_blocks_after(popped)) == []
+
+
+def test_errors() -> None:
+    q = SegmentedFreeBlockQueue([])
+    with pytest.raises(ValueError):
+        q.popleft()
+    with pytest.raises(ValueError):
+        q.popleft_n(1)
+    with pytest.raises(RuntimeError):
+        q.remove(FakeBlock(7))
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """Random operation sequences shaped like BlockPool's use, against three plain lists."""
+
+    N = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = [FakeBlock(i) for i in range(self.N)]
+        self.q = SegmentedFreeBlockQueue(self.blocks)
+        self.ref: list[list[int]] = [list(range(self.N)), [], []]
+        self.pending: set[int] = set()
+
+    def in_queue(self) -> list[int]:
+        return [b for seg in self.ref for b in seg]
+
+    def out_of_queue(self) -> list[int]:
+        inside = set(self.in_queue())
+        return [i for i in range(self.N) if i not in inside]
+
+    def ref_pop(self) -> int:
+        for seg in self.ref:
+            if seg:
+                return seg.pop(0)
+        raise AssertionError
+
+    @precondition(lambda self: self.in_queue())
+    @rule(n=st.integers(min_value=1, max_value=4))
+    def popleft_n(self, n: int) -> None:
+        n = min(n, len(self.in_queue()))
+        expected = [self.ref_pop() for _ in range(n)]
+        assert ids(self.q.popleft_n(n)) == expected
+
+    @precondition(lambda self: self.in_queue())
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        block_id = data.draw(st.sampled_from(self.in_queue()))
+        for seg in self.ref:
+            if block_id in seg:
+                seg.remove(block_id)
+        self.q.remove(self.blocks[block_id])
+
+    @precondition(lambda self: self.out_of_queue())
+    @rule(data=st.data())
+    def free_cached(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(self.out_of_queue()), unique=True, min_size=1))
+        for block_id in chosen:
+            seg = 1 if block_id in self.pending else 2
+            self.pending.discard(block_id)
+            self.ref[seg].append(block_id)
+        self.q.append_n([self.blocks[i] for i in chosen])
+
+    @precondition(lambda self: self.out_of_queue())
+    @rule(data=st.data())
+    def free_uncached(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(self.out_of_queue()), unique=True, min_size=1))
+        self.ref[0][:0] = chosen
+        self.pending.difference_update(chosen)
+        self.q.prepend_n([self.blocks[i] for i in chosen])
+
+    @rule(block_id=st.integers(min_value=0, max_value=N - 1))
+    def release(self, block_id: int) -> None:
+        result = self.q.release(self.blocks[block_id])
+        if block_id in self.ref[2]:
+            self.ref[2].remove(block_id)
+            self.ref[1].append(block_id)
+            assert result is ReleaseResult.MOVED
+        elif block_id in self.in_queue() or block_id in self.pending:
+            assert result is ReleaseResult.NOOP
+        else:
+            self.pending.add(block_id)
+            assert result is ReleaseResult.PENDING
+
+    @invariant()
+    def same_order_and_counts(self) -> None:
+        assert ids(self.q.get_all_free_blocks()) == self.in_queue()
+        assert self.q.num_free_blocks == len(self.in_queue())
+        sizes = self.q.segment_sizes()
+        assert [sizes["free"], sizes["released"], sizes["normal"]] == [len(s) for s in self.ref]
+        assert self.q.num_pending == len(self.pending)
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

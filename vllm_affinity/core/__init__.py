@@ -1,0 +1,15 @@
+"""Pure core of the server plugin: no vLLM import, no I/O."""
+
+from .queue import ReleaseResult, Segment, SegmentedFreeBlockQueue
+from .sessions import ReleaseSelection, SessionBlocks
+from .tokens import common_prefix_length, first_stale_block
+
+__all__ = [
+    "ReleaseResult",
+    "ReleaseSelection",
+    "Segment",
+    "SegmentedFreeBlockQueue",
+    "SessionBlocks",
+    "common_prefix_length",
+    "first_stale_block",
+]
