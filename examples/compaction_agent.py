@@ -126,16 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         if base_url is None:
             engine = stack.enter_context(LocalEngine(reply="(local server)"))
             base_url = engine.base_url
-            say(
-                f"Started a local recording server at {engine.root_url} (no model; releases recorded)"
-            )
+            say(f"Started a local recording server at {engine.root_url} (records releases)")
         jiuwen_hooks.install(tracer_provider=tracer_provider)
         stack.callback(jiuwen_hooks.uninstall)
         client = stack.enter_context(openai.OpenAI(base_url=base_url, api_key="demo-key"))
 
-        say(
-            "\n1) One agent, three rounds of weather look-ups, then compaction before the final call"
-        )
+        say("\n1) One agent, three weather look-ups, then compaction before the final call")
         run_weather_agent(client, args.model, "weather-1", say)
 
         say(f"\n2) {args.sessions} sessions side by side, each compacting once")
@@ -154,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"trace_id={span.context.trace_id:032x}"
             )
         if engine is not None:
-            say(
-                "\nWhat the server received on /release_kv_cache (this local server has no KV cache;"
-            )
+            say("\nWhat the server got on /release_kv_cache (this local server has no KV cache;")
             say("it answers block_released = number of released messages):")
             for request in engine.releases:
                 say(f"  {describe_release(request.body)}")
