@@ -67,6 +67,8 @@ class SegmentedFreeBlockQueue:
         self._segment_of: dict[int, Segment] = {}
         self._pending: set[int] = set()
         self.num_free_blocks = 0
+        #: Released blocks handed out again (the point of releasing them).
+        self.released_reused = 0
         for block in blocks:
             self._link_last(block, Segment.FREE)
 
@@ -76,6 +78,8 @@ class SegmentedFreeBlockQueue:
             if self._sizes[segment]:
                 block = self._heads[segment].next_free_block
                 self._unlink(block)
+                if segment is Segment.RELEASED:
+                    self.released_reused += 1
                 return block
         raise ValueError("No free blocks available")
 

@@ -1,0 +1,239 @@
+"""The engine adapter on the real vLLM KVCacheManager / BlockPool classes (no model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm_parts import BLOCK, generate, make_manager, make_request, run_prefill
+
+from vllm_affinity import compat
+from vllm_affinity.core import Segment, SegmentedFreeBlockQueue
+from vllm_affinity.engine import PoolAffinity, affinity_of, apply_engine_patches
+
+apply_engine_patches()
+
+
+def tokens(start: int, n_blocks: int) -> list[int]:
+    return list(range(start, start + n_blocks * BLOCK))
+
+
+def state_of(manager: Any) -> PoolAffinity:
+    state = affinity_of(manager.block_pool)
+    assert state is not None
+    return state
+
+
+def assert_no_leak(manager: Any) -> None:
+    """Every block except the null block is in use or in exactly one segment."""
+    pool = manager.block_pool
+    queue = state_of(manager).queue
+    queued = [b.block_id for b in queue.get_all_free_blocks()]
+    assert len(queued) == len(set(queued)) == queue.num_free_blocks
+    for block in pool.blocks[1:]:
+        in_queue = queue.segment_of(block) is not None
+        assert in_queue == (block.block_id in queued)
+        assert in_queue != (block.ref_cnt > 0), block
+
+
+def test_queue_is_swapped_in() -> None:
+    manager = make_manager(10)
+    assert isinstance(manager.block_pool.free_block_queue, SegmentedFreeBlockQueue)
+    assert state_of(manager).queue.segment_sizes() == {"free": 9, "released": 0, "normal": 0}
+    assert_no_leak(manager)
+
+
+def test_release_moves_stale_blocks_including_generated_ones() -> None:
+    manager = make_manager(20)
+    request = make_request(tokens(0, 4), session="A")
+    assert run_prefill(manager, request) == [1, 2, 3, 4]
+    generate(manager, request, BLOCK + 4)  # one full block of generated tokens + a partial
+    manager.free(request)
+    state = state_of(manager)
+    result = state.release("A", 2, prompt_tokens=4 * BLOCK)
+    assert result == {
+        "status": "ok",
+        "block_released": 3,
+        "moved": 3,
+        "pending": 0,
+        "kept_shared": 0,
+    }
+    sizes = state.queue.segment_sizes()
+    assert sizes["released"] == 3 and sizes["normal"] == 2
+    assert_no_leak(manager)
+
+
+def test_released_blocks_are_reused_before_other_sessions_prefix() -> None:
+    manager = make_manager(13)  # 12 usable blocks
+    a = make_request(tokens(0, 4), session="A")
+    b = make_request(tokens(1000, 4), session="B")
+    run_prefill(manager, b)
+    manager.free(b)  # B's prefix: older in LRU
+    a_blocks = run_prefill(manager, a)
+    manager.free(a)
+    state_of(manager).release("A", 1)
+    c = make_request(tokens(5000, 7), session="C")  # needs 7: 4 free + 3 released
+    c_blocks = run_prefill(manager, c)
+    assert set(a_blocks[1:]) <= set(c_blocks)
+    assert state_of(manager).queue.released_reused == 3
+    b2 = make_request(tokens(1000, 4), session="B")
+    computed, hits = manager.get_computed_blocks(b2)[:2]
+    assert hits == 3 * BLOCK  # B's prefix survived (vLLM always recomputes the last block)
+    assert_no_leak(manager)
+
+
+def test_vanilla_lru_would_evict_the_other_session() -> None:
+    """Control for the test above: without a release, B's prefix is what gets evicted."""
+    manager = make_manager(13)
+    b = make_request(tokens(1000, 4), session="B")
+    run_prefill(manager, b)
+    manager.free(b)
+    a = make_request(tokens(0, 4), session="A")
+    run_prefill(manager, a)
+    manager.free(a)
+    run_prefill(manager, make_request(tokens(5000, 7), session="C"))
+    hits = manager.get_computed_blocks(make_request(tokens(1000, 4), session="B"))[1]
+    assert hits < 3 * BLOCK
+
+
+def test_prefix_hit_on_a_released_block_makes_it_live() -> None:
+    manager = make_manager(20)
+    a = make_request(tokens(0, 4), session="A")
+    run_prefill(manager, a)
+    manager.free(a)
+    state = state_of(manager)
+    state.release("A", 0)
+    assert state.queue.segment_sizes()["released"] == 4
+    b = make_request(tokens(0, 4), session="B")  # same prompt: the released blocks still hit
+    computed, hits = manager.get_computed_blocks(b)[:2]
+    assert hits == 3 * BLOCK
+    run_prefill(manager, b)
+    manager.free(b)
+    # the three blocks B hit are live again; the last one (recomputed by B) stays released
+    assert state.queue.segment_sizes()["released"] == 1
+    assert_no_leak(manager)
+
+
+def test_release_of_blocks_in_use_is_pending_until_freed() -> None:
+    manager = make_manager(20)
+    a = make_request(tokens(0, 4), session="A")
+    run_prefill(manager, a)
+    state = state_of(manager)
+    result = state.release("A", 1)
+    assert result["pending"] == 3 and result["moved"] == 0
+    assert state.queue.num_pending == 3
+    manager.free(a)
+    assert state.queue.num_pending == 0
+    assert state.queue.segment_sizes()["released"] == 3
+    assert_no_leak(manager)
+
+
+def test_shared_prefix_is_kept_until_both_sessions_release() -> None:
+    manager = make_manager(20)
+    shared = tokens(0, 2)
+    a = make_request(shared + tokens(100, 2), session="A")
+    b = make_request(shared + tokens(200, 2), session="B")
+    run_prefill(manager, a)
+    run_prefill(manager, b)
+    manager.free(a)
+    manager.free(b)
+    state = state_of(manager)
+    first = state.release("A", 0)
+    assert first["block_released"] == 2 and first["kept_shared"] == 2
+    second = state.release("B", 0)
+    assert second["block_released"] == 4
+    assert state.release("A", 0)["block_released"] == 0
+    assert state.release("B", 0)["block_released"] == 0
+    assert_no_leak(manager)
+
+
+def test_reused_block_loses_its_owner() -> None:
+    manager = make_manager(6)  # 5 usable
+    a = make_request(tokens(0, 4), session="A")
+    run_prefill(manager, a)
+    manager.free(a)
+    run_prefill(manager, make_request(tokens(900, 5), session="C"))  # evicts all of A's blocks
+    assert state_of(manager).release("A", 0)["block_released"] == 0
+    assert_no_leak(manager)
+
+
+def test_unknown_session_and_record_mismatch() -> None:
+    manager = make_manager(10)
+    a = make_request(tokens(0, 2), session="A")
+    run_prefill(manager, a)
+    manager.free(a)
+    state = state_of(manager)
+    assert state.release("nobody", 0)["status"] == "unknown_session"
+    assert state.release("A", 0, prompt_tokens=999)["status"] == "record_mismatch"
+    assert state.queue.segment_sizes()["released"] == 0
+
+
+def test_cache_salt_is_the_session_when_no_session_id() -> None:
+    manager = make_manager(10)
+    a = make_request(tokens(0, 2), cache_salt="salty")
+    run_prefill(manager, a)
+    manager.free(a)
+    assert state_of(manager).release("salty", 0)["block_released"] == 2
+
+
+# -- the segmented queue against vLLM's own queue: no release → identical behaviour ------------
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["pop", "append", "prepend", "remove"]), st.integers(0, 3)),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_same_order_as_vllm_queue_without_releases(sequence: list[tuple[str, int]]) -> None:
+    n = 10
+    vanilla_blocks = [KVCacheBlock(i) for i in range(n)]
+    ours_blocks = [KVCacheBlock(i) for i in range(n)]
+    vanilla = FreeKVCacheBlockQueue(vanilla_blocks)
+    ours = SegmentedFreeBlockQueue(ours_blocks)
+    out: list[int] = []  # popped, in pop order
+    for op, k in sequence:
+        if op == "pop" and vanilla.num_free_blocks:
+            count = min(k + 1, vanilla.num_free_blocks)
+            got = [b.block_id for b in vanilla.popleft_n(count)]
+            assert got == [b.block_id for b in ours.popleft_n(count)]
+            out.extend(got)
+        elif op in ("append", "prepend") and out:
+            chosen = out[: k + 1]
+            del out[: k + 1]
+            if op == "append":
+                vanilla.append_n([vanilla_blocks[i] for i in chosen])
+                ours.append_n([ours_blocks[i] for i in chosen])
+            else:
+                vanilla.prepend_n([vanilla_blocks[i] for i in chosen])
+                ours.prepend_n([ours_blocks[i] for i in chosen])
+        elif op == "remove" and vanilla.num_free_blocks:
+            victim = vanilla.get_all_free_blocks()[k % vanilla.num_free_blocks].block_id
+            vanilla.remove(vanilla_blocks[victim])
+            ours.remove(ours_blocks[victim])
+            out.append(victim)
+        assert [b.block_id for b in vanilla.get_all_free_blocks()] == [
+            b.block_id for b in ours.get_all_free_blocks()
+        ]
+        assert vanilla.num_free_blocks == ours.num_free_blocks
+        cursor = vanilla.get_all_free_blocks()[:1]
+        if cursor:
+            assert [b.block_id for b in vanilla.iter_blocks_after(cursor[0])] == [
+                b.block_id for b in ours.iter_blocks_after(ours_blocks[cursor[0].block_id])
+            ]
+    assert ours.segment_sizes()["released"] == 0
+    assert all(ours.segment_of(b) in (Segment.FREE, Segment.NORMAL, None) for b in ours_blocks)
+
+
+def test_unsupported_version_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.31.2")
+    with pytest.raises(compat.UnsupportedVLLMError, match=r"0\.32\.x.*found 0\.31\.2"):
+        compat.check_supported_vllm()
+
+
+def test_installed_version_is_supported() -> None:
+    assert compat.check_supported_vllm().startswith(("0.32.", "0.33."))

@@ -1,0 +1,71 @@
+"""Real vLLM KV-cache classes without a model: a KVCacheManager over one full-attention group,
+and requests hashed with vLLM's own block hasher (for the adapter tests)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+BLOCK = 16
+_ids = itertools.count()
+init_none_hash(sha256)
+_hasher = get_request_block_hasher(BLOCK, sha256)
+
+
+def make_manager(num_blocks: int, block_size: int = BLOCK) -> KVCacheManager:
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=4096,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=True,
+    )
+
+
+def make_request(tokens: list[int], session: str | None = None, **kw: Any) -> Request:
+    return Request(
+        request_id=f"r{next(_ids)}",
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=16),
+        pooling_params=None,
+        block_hasher=_hasher,
+        session_id=session,
+        **kw,
+    )
+
+
+def run_prefill(manager: KVCacheManager, request: Request) -> list[int]:
+    """What the scheduler does for a new request: look up the prefix, allocate, cache.
+    Returns the request's block ids."""
+    computed, num_computed = manager.get_computed_blocks(request)[:2]
+    num_new = request.num_tokens - num_computed
+    blocks = manager.allocate_slots(request, num_new, num_computed, computed)
+    assert blocks is not None, "out of KV blocks"
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request, request.num_tokens)
+    return list(manager.get_block_ids(request.request_id)[0])
+
+
+def generate(manager: KVCacheManager, request: Request, n: int, token: int = 7) -> None:
+    """Append ``n`` decoded tokens, allocating blocks as a running request would."""
+    for _ in range(n):
+        request.append_output_token_ids(token)
+        manager.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+        manager.cache_blocks(request, request.num_computed_tokens)

@@ -1,0 +1,125 @@
+"""Build the small local model used by the tests, the demo and the benchmarks.
+
+No model hub is reachable here, so the model is made from scratch: a Llama-architecture network
+with random weights (hit rates and latencies do not depend on weight values; the text it writes
+is gibberish), a byte-level BPE tokenizer trained locally with ``tokenizers``, and a Jinja chat
+template that renders tools and tool calls. Built once into a cache folder, then reused.
+
+    python -m vllm_affinity.tiny_model [--out DIR]      # prints the model folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+#: Bump when the recipe changes, so cached builds are rebuilt.
+RECIPE_VERSION = 2
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "tiny-llama"
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}<|system|>Available tools:\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{% endfor %}</s>{% endif %}"
+    "{%- for message in messages %}"
+    "<|{{ message['role'] }}|>"
+    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{%- elif message['content'] %}{% for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{%- if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<call>{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}</call>"
+    "{%- endfor %}{% endif %}"
+    "{%- if message['tool_call_id'] %} [{{ message['tool_call_id'] }}]{% endif %}</s>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    """Text shaped like agent traffic: chat, JSON tool results, numbers, code-ish words."""
+    rng = random.Random(seed)
+    words = ["the", "a", "weather", "city", "temperature", "wind", "rain", "sunny", "cloud", "forecast", "hourly", "paris", "oslo", "lima", "tool", "result", "call", "function", "arguments", "user", "assistant", "system", "summary", "memory", "agent", "file", "read", "write", "search", "error", "ok", "true", "false", "null", "json", "value", "key", "list", "item", "step", "plan", "next"]
+    out = []
+    for _ in range(lines):
+        kind = rng.random()
+        if kind < 0.4:
+            out.append(" ".join(rng.choice(words) for _ in range(rng.randint(5, 25))))
+        elif kind < 0.7:
+            doc = {rng.choice(words): rng.randint(0, 9999) for _ in range(4)}
+            out.append(json.dumps(doc))
+        else:
+            out.append(
+                f"{rng.randint(0, 23):02d}:00 {rng.choice(words)} {rng.uniform(-20, 40):.1f}C"
+            )
+    return out
+
+
+def build(out_dir: Path = DEFAULT_DIR, vocab_size: int = 4096, max_positions: int = 32768) -> Path:
+    """Build (or reuse) the model folder and return its path."""
+    stamp = out_dir / "jiuwen-recipe.json"
+    recipe = {"version": RECIPE_VERSION, "vocab_size": vocab_size, "max_positions": max_positions}
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return out_dir
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="</s>",
+        model_max_length=max_positions,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stamp.write_text(json.dumps(recipe))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the small local test model.")
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    args = parser.parse_args(argv)
+    print(build(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
