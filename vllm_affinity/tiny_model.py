@@ -43,7 +43,50 @@ CHAT_TEMPLATE = (
 def _corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     """Text shaped like agent traffic: chat, JSON tool results, numbers, code-ish words."""
     rng = random.Random(seed)
-    words = ["the", "a", "weather", "city", "temperature", "wind", "rain", "sunny", "cloud", "forecast", "hourly", "paris", "oslo", "lima", "tool", "result", "call", "function", "arguments", "user", "assistant", "system", "summary", "memory", "agent", "file", "read", "write", "search", "error", "ok", "true", "false", "null", "json", "value", "key", "list", "item", "step", "plan", "next"]
+    words = [
+        "the",
+        "a",
+        "weather",
+        "city",
+        "temperature",
+        "wind",
+        "rain",
+        "sunny",
+        "cloud",
+        "forecast",
+        "hourly",
+        "paris",
+        "oslo",
+        "lima",
+        "tool",
+        "result",
+        "call",
+        "function",
+        "arguments",
+        "user",
+        "assistant",
+        "system",
+        "summary",
+        "memory",
+        "agent",
+        "file",
+        "read",
+        "write",
+        "search",
+        "error",
+        "ok",
+        "true",
+        "false",
+        "null",
+        "json",
+        "value",
+        "key",
+        "list",
+        "item",
+        "step",
+        "plan",
+        "next",
+    ]
     out = []
     for _ in range(lines):
         kind = rng.random()

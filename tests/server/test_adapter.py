@@ -80,7 +80,7 @@ def test_released_blocks_are_reused_before_other_sessions_prefix() -> None:
     assert set(a_blocks[1:]) <= set(c_blocks)
     assert state_of(manager).queue.released_reused == 3
     b2 = make_request(tokens(1000, 4), session="B")
-    computed, hits = manager.get_computed_blocks(b2)[:2]
+    _, hits = manager.get_computed_blocks(b2)[:2]
     assert hits == 3 * BLOCK  # B's prefix survived (vLLM always recomputes the last block)
     assert_no_leak(manager)
 
@@ -108,7 +108,7 @@ def test_prefix_hit_on_a_released_block_makes_it_live() -> None:
     state.release("A", 0)
     assert state.queue.segment_sizes()["released"] == 4
     b = make_request(tokens(0, 4), session="B")  # same prompt: the released blocks still hit
-    computed, hits = manager.get_computed_blocks(b)[:2]
+    _, hits = manager.get_computed_blocks(b)[:2]
     assert hits == 3 * BLOCK
     run_prefill(manager, b)
     manager.free(b)
