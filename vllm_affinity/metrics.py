@@ -1,0 +1,86 @@
+"""Prometheus metrics on vLLM's ``/metrics`` (the API server's default registry).
+
+Request outcomes are counted where they happen (the API server). Segment sizes and engine
+counters live in the engine-core process; a collector serves the latest snapshot, refreshed
+periodically and after every release.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as PyCounter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+class _EngineCollector:
+    def __init__(self, metrics: AffinityMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        engines = self._metrics.engine_stats()
+        blocks = GaugeMetricFamily(
+            "vllm_affinity_blocks", "Free-queue blocks per segment", labels=["segment", "engine"]
+        )
+        pending = GaugeMetricFamily(
+            "vllm_affinity_pending_blocks",
+            "Released blocks still in use, moved when freed",
+            labels=["engine"],
+        )
+        reused = CounterMetricFamily(
+            "vllm_affinity_released_blocks_reused",
+            "Released blocks handed out again for new content",
+            labels=["engine"],
+        )
+        for index, stats in enumerate(engines):
+            for segment, count in stats["segments"].items():
+                blocks.add_metric([segment, str(index)], count)
+            pending.add_metric([str(index)], stats["pending"])
+            reused.add_metric([str(index)], stats["released_reused"])
+        yield blocks
+        yield pending
+        yield reused
+
+
+class AffinityMetrics:
+    """Counters of the release route plus the engine snapshot collector."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self._requests = Counter(
+            "vllm_affinity_release_requests",
+            "Release requests by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self._blocks = Counter(
+            "vllm_affinity_blocks_released", "KV blocks released (moved or pending)", registry=registry
+        )
+        self._engines: list[dict[str, Any]] = []
+        self._counts: PyCounter[str] = PyCounter()
+        self._lock = threading.Lock()
+        registry.register(_EngineCollector(self))
+
+    def count_request(self, outcome: str) -> None:
+        self._requests.labels(outcome=outcome).inc()
+        with self._lock:
+            self._counts[f"requests.{outcome}"] += 1
+
+    def count_blocks(self, n: int) -> None:
+        self._blocks.inc(n)
+        with self._lock:
+            self._counts["blocks_released"] += n
+
+    def update_engine_stats(self, engines: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._engines = engines
+
+    def engine_stats(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._engines)
+
+    def api_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

