@@ -56,7 +56,9 @@ class AffinityMetrics:
             registry=registry,
         )
         self._blocks = Counter(
-            "vllm_affinity_blocks_released", "KV blocks released (moved or pending)", registry=registry
+            "vllm_affinity_blocks_released",
+            "KV blocks released (moved or pending)",
+            registry=registry,
         )
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()

@@ -175,7 +175,9 @@ class ReleaseService:
         try:
             chat = ChatCompletionRequest(model=request.model, messages=messages, tools=tools)
         except ValidationError as exc:
-            raise ReleaseError(400, f"invalid messages or tools: {exc.errors()[0]['msg']}") from None
+            raise ReleaseError(
+                400, f"invalid messages or tools: {exc.errors()[0]['msg']}"
+            ) from None
         try:
             rendered = await self.serving_chat.render_chat_request(chat)
         except ValueError as exc:  # template errors surface as ValueError
@@ -193,7 +195,9 @@ class ReleaseService:
             return [await core.call_utility_async(method, *args)]
         except Exception as exc:
             logger.exception("vllm_affinity: engine call %s failed", method)
-            raise ReleaseError(503, f"engine call failed: {exc}", "ServiceUnavailableError") from None
+            raise ReleaseError(
+                503, f"engine call failed: {exc}", "ServiceUnavailableError"
+            ) from None
 
     async def stats(self) -> dict[str, Any]:
         engines = await self._call_engines("affinity_stats")

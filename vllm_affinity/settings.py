@@ -28,5 +28,7 @@ class Settings:
         try:
             seconds = float(interval)
         except ValueError:
-            raise ValueError(f"VLLM_AFFINITY_STATS_INTERVAL={interval!r}: expected seconds") from None
+            raise ValueError(
+                f"VLLM_AFFINITY_STATS_INTERVAL={interval!r}: expected seconds"
+            ) from None
         return cls(allow_cache_sharing=sharing == "allow", stats_interval=seconds)

@@ -121,7 +121,9 @@ class VLLMServer:
                 pass
             time.sleep(1)
         self.stop()
-        raise ServerStartError(f"vLLM not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+        raise ServerStartError(
+            f"vLLM not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -178,7 +180,9 @@ class VLLMServer:
         response.raise_for_status()
         return response.json()
 
-    def release(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    def release(
+        self, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> httpx.Response:
         return httpx.post(
             self.root_url + "/release_kv_cache",
             json=body,
