@@ -17,7 +17,22 @@ from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
 
 pytestmark = pytest.mark.e2e
 
-WORDS = ["weather", "city", "wind", "rain", "sunny", "cloud", "forecast", "paris", "oslo", "lima", "tool", "result", "agent", "plan"]
+WORDS = [
+    "weather",
+    "city",
+    "wind",
+    "rain",
+    "sunny",
+    "cloud",
+    "forecast",
+    "paris",
+    "oslo",
+    "lima",
+    "tool",
+    "result",
+    "agent",
+    "plan",
+]
 
 
 def text(n_words: int, seed: int) -> str:
