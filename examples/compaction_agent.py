@@ -4,8 +4,9 @@ The original design's scenario: three rounds of weather look-ups (Paris, Oslo, L
 final model call a compressor clears the two older tool results, so a release fires from the first
 cleared message. Then a few sessions run side by side, each compacting once.
 
+    python examples/compaction_agent.py --vllm             # starts vLLM (CPU) with the plugin
+    python examples/compaction_agent.py --base-url URL     # against a server already running
     python examples/compaction_agent.py                    # against a local recording server
-    python examples/compaction_agent.py --base-url URL     # against a real server (e.g. vLLM)
 
 The agent's tool calls are scripted, so it runs on any model (including a random-weight one);
 what matters here is the window the agent sends and the releases the hook sends first.
@@ -107,8 +108,10 @@ def describe_release(body: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: a local server)")
-    parser.add_argument("--model", default="demo", help="served model name")
+    parser.add_argument("--vllm", action="store_true", help="start vLLM with the plugin (CPU)")
+    parser.add_argument("--base-url", help="OpenAI-compatible base URL of a running server")
+    parser.add_argument("--api-key", default="demo-key", help="API key for the server")
+    parser.add_argument("--model", default="tiny", help="served model name")
     parser.add_argument("--sessions", type=int, default=3, help="sessions in the multi-session run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -121,22 +124,29 @@ def main(argv: list[str] | None = None) -> int:
     tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
 
     with ExitStack() as stack:
-        engine = None
+        engine = server = None
         base_url = args.base_url
-        if base_url is None:
+        if args.vllm:
+            server = start_vllm(stack, args.api_key, say)
+            base_url = server.base_url
+        elif base_url is None:
             engine = stack.enter_context(LocalEngine(reply="(local server)"))
             base_url = engine.base_url
             say(f"Started a local recording server at {engine.root_url} (records releases)")
         jiuwen_hooks.install(tracer_provider=tracer_provider)
         stack.callback(jiuwen_hooks.uninstall)
-        client = stack.enter_context(openai.OpenAI(base_url=base_url, api_key="demo-key"))
+        client = stack.enter_context(openai.OpenAI(base_url=base_url, api_key=args.api_key))
 
         say("\n1) One agent, three weather look-ups, then compaction before the final call")
         run_weather_agent(client, args.model, "weather-1", say)
+        if server is not None:
+            say(f"  server free-queue segments now: {segments(server)}")
 
         say(f"\n2) {args.sessions} sessions side by side, each compacting once")
         for n in range(args.sessions):
             run_weather_agent(client, args.model, f"multi-{n}", say)
+        if server is not None:
+            say(f"  server free-queue segments now: {segments(server)}")
 
         say("\nReleases sent (from the client's spans):")
         for span in exporter.get_finished_spans():
@@ -155,8 +165,33 @@ def main(argv: list[str] | None = None) -> int:
             for request in engine.releases:
                 say(f"  {describe_release(request.body)}")
         say("\nHook counters: " + json.dumps(jiuwen_hooks.stats(), sort_keys=True))
-        say("Spans were kept in memory and printed above (OTLP export comes with the server demo).")
+        if server is not None:
+            (stats,) = server.affinity_stats()["engines"]
+            say("Server counters: " + json.dumps(stats, sort_keys=True))
+            say("Stopping vLLM ...")
+        say("Spans were kept in memory and printed above.")
     return 0
+
+
+def start_vllm(stack: ExitStack, api_key: str, say: Any) -> Any:
+    """Build the small model if needed and start vLLM (CPU) with the plugin; stopped on exit."""
+    from vllm_affinity.testing import VLLMServer
+    from vllm_affinity.tiny_model import build
+
+    say("Building the small local model (once) ...")
+    model = build()
+    server = VLLMServer(model=model, plugin=True, num_blocks=256, api_key=api_key)
+    say(f"Starting vLLM with the vllm_affinity plugin on {server.root_url} (about 30 s) ...")
+    say(f"  (server log: {server.log_path})")
+    stack.callback(server.stop)
+    server.start()
+    say(f"vLLM is up: {server.num_blocks} KV blocks of 32 tokens, model {model}")
+    return server
+
+
+def segments(server: Any) -> str:
+    (stats,) = server.affinity_stats()["engines"]
+    return ", ".join(f"{name}={count}" for name, count in stats["segments"].items())
 
 
 if __name__ == "__main__":
