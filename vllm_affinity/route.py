@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,7 @@ class ReleaseService:
     async def _release(self, request: ReleaseRequest) -> dict[str, Any]:
         if self.engine_client.errored:
             raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
+        started = time.perf_counter()
         full = await self._render(request, request.messages, request.tools)
         if len(full) > self.max_model_len:
             raise ReleaseError(
@@ -143,7 +145,9 @@ class ReleaseService:
             )
         first_stale_token = await self._first_stale_token(request, full)
         block = first_stale_block(first_stale_token, self.block_size)
+        rendered = time.perf_counter()
         results = await self._call_engines("affinity_release", request.cache_salt, block, len(full))
+        done = time.perf_counter()
         merged: dict[str, Any] = {
             "cache_salt": request.cache_salt,
             "block_released": sum(r["block_released"] for r in results),
@@ -154,6 +158,8 @@ class ReleaseService:
             "first_stale_token": first_stale_token,
             "first_stale_block": block,
             "prompt_tokens": len(full),
+            "render_ms": round((rendered - started) * 1e3, 3),
+            "engine_ms": round((done - rendered) * 1e3, 3),
         }
         return merged
 

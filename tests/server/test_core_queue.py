@@ -188,3 +188,12 @@ class QueueMachine(RuleBasedStateMachine):
 
 TestQueueMachine = QueueMachine.TestCase
 TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_blocks_unknown_at_construction_are_accepted() -> None:
+    q = SegmentedFreeBlockQueue([FakeBlock(0)])
+    late = [FakeBlock(40), FakeBlock(7)]
+    q.append_n(late)
+    q.prepend_n([FakeBlock(90)])
+    assert ids(q.get_all_free_blocks()) == [90, 0, 40, 7]
+    assert q.segment_of(late[0]) is Segment.NORMAL

@@ -55,8 +55,17 @@ class _Sentinel:
         self.next_free_block: Any = None
 
 
+_FREE, _RELEASED, _NORMAL, _OUT = 0, 1, 2, -1  # plain ints on the hot path; Segment outside
+
+
 class SegmentedFreeBlockQueue:
-    """Free-block queue with FREE > RELEASED > NORMAL eviction priority; O(1) per block."""
+    """Free-block queue with FREE > RELEASED > NORMAL eviction priority; O(1) per block.
+
+    Hot-path notes: a block is in the queue exactly when its ``prev_free_block`` is set (vLLM's
+    own convention); the segment it was last linked into is kept in a list indexed by block id
+    (vLLM's ids are dense), written only when linking. Batch operations link whole runs at once,
+    as vLLM's queue does, and the pending set is only consulted when it is not empty.
+    """
 
     def __init__(self, blocks: Iterable[Block] = ()) -> None:
         self._heads = [_Sentinel() for _ in Segment]
@@ -64,48 +73,135 @@ class SegmentedFreeBlockQueue:
         for head, tail in zip(self._heads, self._tails, strict=True):
             head.next_free_block, tail.prev_free_block = tail, head
         self._sizes = [0, 0, 0]
-        self._segment_of: dict[int, Segment] = {}
+        self._seg: list[int] = []
         self._pending: set[int] = set()
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
-        for block in blocks:
-            self._link_last(block, Segment.FREE)
+        self._link_run(list(blocks), _FREE, False)
 
     # -- vLLM's FreeKVCacheBlockQueue interface -----------------------------------------------
     def popleft(self) -> Block:
-        for segment in Segment:
-            if self._sizes[segment]:
-                block = self._heads[segment].next_free_block
-                self._unlink(block)
-                if segment is Segment.RELEASED:
-                    self.released_reused += 1
-                return block
-        raise ValueError("No free blocks available")
+        if not self.num_free_blocks:
+            raise ValueError("No free blocks available")
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[Block]:
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
-        return [self.popleft() for _ in range(n)]
+        out: list[Block] = []
+        sizes = self._sizes
+        if n <= sizes[_FREE]:  # fast path: uncached blocks only (the common case)
+            head = self._heads[_FREE]
+            node = head.next_free_block
+            for _ in range(n):
+                out.append(node)
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                node = nxt
+            head.next_free_block = node
+            node.prev_free_block = head
+            sizes[_FREE] -= n
+            self.num_free_blocks -= n
+            return out
+        remaining = n
+        heads = self._heads
+        for segment in (_FREE, _RELEASED, _NORMAL):
+            size = sizes[segment]
+            if not size:
+                continue
+            take = size if size < remaining else remaining
+            head = heads[segment]
+            node = head.next_free_block
+            for _ in range(take):
+                out.append(node)
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                node = nxt
+            head.next_free_block = node
+            node.prev_free_block = head
+            sizes[segment] = size - take
+            if segment == _RELEASED:
+                self.released_reused += take
+            remaining -= take
+            if not remaining:
+                break
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: Block) -> None:
         """Take a block out of the queue (a prefix hit): it is live again, not released."""
-        if block.block_id not in self._segment_of:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
             raise RuntimeError(f"remove() called on a block not in the queue: {block.block_id}")
-        self._unlink(block)
+        segment = self._seg[block.block_id]
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self._sizes[segment] -= 1
+        self.num_free_blocks -= 1
 
     def append(self, block: Block) -> None:
-        self._link_last(block, self._segment_for_cached(block))
+        self.append_n([block])
 
-    def append_n(self, blocks: Iterable[Block]) -> None:
-        for block in blocks:
-            self._link_last(block, self._segment_for_cached(block))
+    def append_n(self, blocks: list[Block]) -> None:
+        """Freed cached blocks: tail of NORMAL, or of RELEASED for blocks released in use."""
+        if not blocks:
+            return
+        pending = self._pending
+        if pending and any(b.block_id in pending for b in blocks):
+            for block in blocks:
+                if block.block_id in pending:
+                    pending.discard(block.block_id)
+                    self._link_run([block], _RELEASED, False)
+                else:
+                    self._link_run([block], _NORMAL, False)
+            return
+        # Inlined _link_run(blocks, _NORMAL, False): this is the hottest call of BlockPool.
+        seg_of = self._seg
+        tail = self._tails[_NORMAL]
+        prev = tail.prev_free_block
+        try:
+            for block in blocks:
+                seg_of[block.block_id] = _NORMAL
+                block.prev_free_block = prev
+                prev.next_free_block = block
+                prev = block
+        except IndexError:  # a block id never seen before: take the general path
+            self._grow(max(b.block_id for b in blocks))
+            tail.prev_free_block.next_free_block = tail  # undo the partial run's dangling link
+            self._link_run(blocks, _NORMAL, False)
+            return
+        prev.next_free_block = tail
+        tail.prev_free_block = prev
+        self._sizes[_NORMAL] += len(blocks)
+        self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[Block]) -> None:
         """Put blocks at the head of FREE, keeping their order (the first is popped first)."""
-        for block in reversed(blocks):
-            self._pending.discard(block.block_id)
-            self._link_first(block, Segment.FREE)
+        if not blocks:
+            return
+        if self._pending:
+            self._pending.difference_update(b.block_id for b in blocks)
+        # Inlined _link_run(blocks, _FREE, True): called on every request free.
+        seg_of = self._seg
+        prev = self._heads[_FREE]
+        after = prev.next_free_block
+        try:
+            for block in blocks:
+                seg_of[block.block_id] = _FREE
+                block.prev_free_block = prev
+                prev.next_free_block = block
+                prev = block
+        except IndexError:  # a block id never seen before: take the general path
+            self._grow(max(b.block_id for b in blocks))
+            self._heads[_FREE].next_free_block = after  # undo the partial run's link
+            self._link_run(blocks, _FREE, True)
+            return
+        prev.next_free_block = after
+        after.prev_free_block = prev
+        self._sizes[_FREE] += len(blocks)
+        self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[Block]:
         return list(self.iter_blocks_after(None))
@@ -114,12 +210,12 @@ class SegmentedFreeBlockQueue:
         """Free blocks in eviction order after ``cursor`` (from the start when ``None``; nothing
         when the cursor is no longer in the queue, as in vLLM)."""
         if cursor is None:
-            first_segment, node = 0, self._heads[0].next_free_block
+            first_segment, node = _FREE, self._heads[_FREE].next_free_block
         else:
-            segment = self._segment_of.get(cursor.block_id)
-            if segment is None:
+            first_segment = self._segment_index(cursor)
+            if first_segment == _OUT:
                 return
-            first_segment, node = segment, cursor.next_free_block
+            node = cursor.next_free_block
         for segment in range(first_segment, len(Segment)):
             if segment != first_segment:
                 node = self._heads[segment].next_free_block
@@ -131,12 +227,12 @@ class SegmentedFreeBlockQueue:
     # -- release ------------------------------------------------------------------------------
     def release(self, block: Block) -> ReleaseResult:
         """Make a block the next cached block to be reused (after the uncached ones)."""
-        segment = self._segment_of.get(block.block_id)
-        if segment is Segment.NORMAL:
+        segment = self._segment_index(block)
+        if segment == _NORMAL:
             self._unlink(block)
-            self._link_last(block, Segment.RELEASED)
+            self._link_run([block], _RELEASED, False)
             return ReleaseResult.MOVED
-        if segment is not None or block.block_id in self._pending:
+        if segment != _OUT or block.block_id in self._pending:
             return ReleaseResult.NOOP
         self._pending.add(block.block_id)
         return ReleaseResult.PENDING
@@ -150,7 +246,8 @@ class SegmentedFreeBlockQueue:
 
     # -- introspection ------------------------------------------------------------------------
     def segment_of(self, block: Block) -> Segment | None:
-        return self._segment_of.get(block.block_id)
+        segment = self._segment_index(block)
+        return None if segment == _OUT else Segment(segment)
 
     def segment_sizes(self) -> dict[str, int]:
         return {segment.name.lower(): self._sizes[segment] for segment in Segment}
@@ -167,37 +264,41 @@ class SegmentedFreeBlockQueue:
         return out
 
     # -- links --------------------------------------------------------------------------------
-    def _segment_for_cached(self, block: Block) -> Segment:
-        if block.block_id in self._pending:
-            self._pending.discard(block.block_id)
-            return Segment.RELEASED
-        return Segment.NORMAL
+    def _segment_index(self, block: Block) -> int:
+        if block.prev_free_block is None:
+            return _OUT
+        return self._seg[block.block_id]
 
-    def _link_last(self, block: Block, segment: Segment) -> None:
-        tail = self._tails[segment]
-        last = tail.prev_free_block
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = tail
-        tail.prev_free_block = block
-        self._added(block, segment)
+    def _link_run(self, blocks: list[Block], segment: int, at_head: bool) -> None:
+        """Link ``blocks`` (in order) at the head or the tail of ``segment``."""
+        if not blocks:
+            return
+        seg_of = self._seg
+        if at_head:
+            prev = self._heads[segment]
+            after = prev.next_free_block
+        else:
+            after = self._tails[segment]
+            prev = after.prev_free_block
+        for block in blocks:
+            try:
+                seg_of[block.block_id] = segment
+            except IndexError:  # a block id never seen: grow the membership list
+                self._grow(block.block_id)
+                seg_of[block.block_id] = segment
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = after
+        after.prev_free_block = prev
+        self._sizes[segment] += len(blocks)
+        self.num_free_blocks += len(blocks)
 
-    def _link_first(self, block: Block, segment: Segment) -> None:
-        head = self._heads[segment]
-        first = head.next_free_block
-        head.next_free_block = block
-        block.prev_free_block = head
-        block.next_free_block = first
-        first.prev_free_block = block
-        self._added(block, segment)
-
-    def _added(self, block: Block, segment: Segment) -> None:
-        self._segment_of[block.block_id] = segment
-        self._sizes[segment] += 1
-        self.num_free_blocks += 1
+    def _grow(self, block_id: int) -> None:
+        self._seg.extend([_OUT] * (block_id + 1 - len(self._seg)))
 
     def _unlink(self, block: Block) -> None:
-        segment = self._segment_of.pop(block.block_id)
+        segment = self._seg[block.block_id]
         prev, nxt = block.prev_free_block, block.next_free_block
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
