@@ -26,7 +26,22 @@ import openai
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
 TARGETS = {"1k": 1_000, "8k": 8_000, "32k": 31_000}
-WORDS = ["weather", "city", "wind", "rain", "sunny", "cloud", "forecast", "tool", "result", "agent", "plan", "step", "file", "read"]
+WORDS = [
+    "weather",
+    "city",
+    "wind",
+    "rain",
+    "sunny",
+    "cloud",
+    "forecast",
+    "tool",
+    "result",
+    "agent",
+    "plan",
+    "step",
+    "file",
+    "read",
+]
 
 
 def build_window(target_tokens: int, seed: int) -> list[dict[str, Any]]:

@@ -24,7 +24,22 @@ import openai
 
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
-WORDS = ["weather", "city", "wind", "rain", "sunny", "cloud", "forecast", "tool", "result", "agent", "plan", "step", "file", "read"]
+WORDS = [
+    "weather",
+    "city",
+    "wind",
+    "rain",
+    "sunny",
+    "cloud",
+    "forecast",
+    "tool",
+    "result",
+    "agent",
+    "plan",
+    "step",
+    "file",
+    "read",
+]
 
 
 def filler(rng: random.Random, words: int) -> str:
