@@ -92,7 +92,6 @@ class VLLMServer:
             "--gpu-memory-utilization", "0.3",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--enable-prompt-tokens-details",
-            "--disable-log-stats",
         ]  # fmt: skip
         if self.api_key:
             cmd += ["--api-key", self.api_key]

@@ -1,0 +1,323 @@
+"""Multi-session agent benchmark: vanilla vLLM vs vLLM + vllm_affinity + jiuwen_hooks.
+
+For each KV pool size (a fraction of the trace's working set) two servers are started the same
+way, one with the plugin and one without, and the same agent trace (``agent_trace.py``) is
+replayed on both, call by call interleaved, streamed:
+
+- vanilla: plain chat requests (no salt: vLLM shares identical prefixes across sessions);
+- plugin: the same requests through the installed hook (``cache_sharing: true``, so prefixes
+  are shared too, and the hook releases a session's stale blocks when its window is rewritten).
+
+Measured per side: token hit rate (``/metrics`` deltas), TTFT p50/p90/p99 (first streamed
+chunk), prompt tokens actually computed, end-to-end time. The offline simulator
+(``cache_sim.py``) replays the same tokens under infinite cache, LRU, LRU + release and Belady,
+and its LRU is compared with the real vanilla hit rate.
+
+    python benchmarks/agent_bench.py                       # full sweep (~15 min on 2 cores)
+    python benchmarks/agent_bench.py --quick               # the pipeline check CI runs
+
+Output: ``<out>/agent_benchmark.json``, ``.md`` and ``.png`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from agent_trace import Call, TraceConfig, describe, generate
+from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
+
+import jiuwen_hooks
+from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
+
+API_KEY = "bench"
+MAX_TOKENS = 4
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def tokenize(server: VLLMServer, calls: list[Call]) -> list[tuple[int, ...]]:
+    """Exact prompt tokens with vLLM's own renderer (``/tokenize``)."""
+    out = []
+    with httpx.Client(timeout=60, headers=server.headers()) as client:
+        for call in calls:
+            body = {
+                "model": SERVED_NAME,
+                "messages": call.window,
+                "tools": call.tools,
+                "add_generation_prompt": True,
+            }
+            response = client.post(server.root_url + "/tokenize", json=body)
+            response.raise_for_status()
+            out.append(tuple(response.json()["tokens"]))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclasses.dataclass
+class Side:
+    """One server's measurements over a replay."""
+
+    ttft: list[float] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+    def summary(self, hits: float, queries: float) -> dict[str, Any]:
+        return {
+            "hit_rate": round(hits / queries, 4) if queries else None,
+            "ttft_ms_p50": round(percentile(self.ttft, 50) * 1e3, 1),
+            "ttft_ms_p90": round(percentile(self.ttft, 90) * 1e3, 1),
+            "ttft_ms_p99": round(percentile(self.ttft, 99) * 1e3, 1),
+            "prompt_tokens": self.prompt_tokens,
+            "computed_tokens": self.prompt_tokens - self.cached_tokens,
+            "end_to_end_s": round(self.seconds, 2),
+        }
+
+
+def stream_call(client: openai.OpenAI, call: Call, side: Side) -> None:
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=call.window,
+        tools=call.tools or openai.omit,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    first = None
+    for chunk in stream:
+        if first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            side.prompt_tokens += chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            side.cached_tokens += (details.cached_tokens or 0) if details else 0
+    end = time.perf_counter()
+    side.ttft.append((first or end) - start)
+    side.seconds += end - start
+
+
+def prefix_counters(server: VLLMServer) -> tuple[float, float]:
+    return (
+        server.metric("vllm:prefix_cache_hits_total"),
+        server.metric("vllm:prefix_cache_queries_total"),
+    )
+
+
+def warm_up(vanilla: VLLMServer, plugin: VLLMServer) -> None:
+    """First requests and the first release pay one-off costs (imports, template compilation)."""
+    call = Call("warm-up", [{"role": "user", "content": "hello"}], [])
+    for server in (vanilla, plugin):
+        with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:
+            for _ in range(2):
+                stream_call(client, call, Side())
+    body = {"model": SERVED_NAME, "cache_salt": "warm-up", "messages": call.window,
+            "messages_released_index": 0}  # fmt: skip
+    plugin.release(body).raise_for_status()
+
+
+def replay(
+    calls: list[Call], vanilla: VLLMServer, plugin: VLLMServer, progress: Callable[[int], None]
+) -> dict[str, Any]:
+    warm_up(vanilla, plugin)
+    sides = {"vanilla": Side(), "plugin": Side()}
+    before = {"vanilla": prefix_counters(vanilla), "plugin": prefix_counters(plugin)}
+    jiuwen_hooks.uninstall()
+    hook = jiuwen_hooks.install()
+    try:
+        with (
+            openai.OpenAI(base_url=vanilla.base_url, api_key=API_KEY, max_retries=0) as plain,
+            openai.OpenAI(base_url=plugin.base_url, api_key=API_KEY, max_retries=0) as hooked,
+        ):
+            for index, call in enumerate(calls):
+                stream_call(plain, call, sides["vanilla"])  # no session: the hook stays out
+                with jiuwen_hooks.session(call.session):
+                    stream_call(hooked, call, sides["plugin"])
+                progress(index)
+        hook_stats = hook.stats()
+    finally:
+        jiuwen_hooks.uninstall()
+    out: dict[str, Any] = {}
+    for name, server in (("vanilla", vanilla), ("plugin", plugin)):
+        hits, queries = prefix_counters(server)
+        out[name] = sides[name].summary(hits - before[name][0], queries - before[name][1])
+    out["plugin"]["releases"] = hook_stats.get("releases.ok", 0)
+    out["plugin"]["blocks_released"] = hook_stats.get("blocks_released", 0)
+    (engine,) = plugin.affinity_stats()["engines"]
+    out["plugin"]["released_blocks_reused"] = engine["released_reused"]
+    return out
+
+
+def start_pair(num_blocks: int, max_model_len: int) -> tuple[VLLMServer, VLLMServer]:
+    servers = tuple(
+        VLLMServer(plugin=p, num_blocks=num_blocks, max_model_len=max_model_len, api_key=API_KEY)
+        for p in (False, True)
+    )
+    for server in servers:
+        server.start(wait=False)
+    try:
+        for server in servers:
+            server.wait_healthy()
+    except Exception:
+        for server in servers:
+            server.stop()
+        raise
+    return servers  # type: ignore[return-value]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| pool | blocks | side | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | computed tokens | time |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in result["runs"]:
+        for side in ("vanilla", "plugin"):
+            s = run[side]
+            lines.append(
+                f"| {run['fraction']}x | {run['num_blocks']} | {side} | {s['hit_rate']:.3f} | "
+                f"{s['ttft_ms_p50']} ms | {s['ttft_ms_p90']} ms | {s['ttft_ms_p99']} ms | "
+                f"{s['computed_tokens']:,} | {s['end_to_end_s']} s |"
+            )
+    lines += [
+        "",
+        "| pool | infinite | LRU (sim) | LRU + release (sim) | Belady (sim) | gap closed | "
+        "sim LRU − real vanilla |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in result["runs"]:
+        sim = run["simulated"]
+        closed = run["gap_closed"]
+        lines.append(
+            f"| {run['fraction']}x | "
+            + " | ".join(f"{sim[p]['hit_rate']:.3f}" for p in POLICIES)
+            + f" | {'n/a' if closed is None else f'{closed:.0%}'} | {run['sim_vs_real_lru']:+.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    x = [r["fraction"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(x, [r["vanilla"]["hit_rate"] for r in runs], "o-", label="vanilla vLLM (real)")
+    left.plot(x, [r["plugin"]["hit_rate"] for r in runs], "o-", label="plugin + hook (real)")
+    styles = {"infinite": ":", "lru": "--", "lru_release": "--", "belady": "-."}
+    for policy in POLICIES:
+        left.plot(
+            x, [r["simulated"][policy]["hit_rate"] for r in runs], styles[policy],
+            label=f"{policy} (sim)", alpha=0.7,
+        )  # fmt: skip
+    left.set_xlabel("KV pool / working set")
+    left.set_ylabel("prefix-cache token hit rate")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    for side in ("vanilla", "plugin"):
+        right.plot(x, [r[side]["ttft_ms_p90"] for r in runs], "o-", label=f"{side} p90")
+        right.plot(x, [r[side]["ttft_ms_p50"] for r in runs], "x--", label=f"{side} p50")
+    right.set_xlabel("KV pool / working set")
+    right.set_ylabel("TTFT (ms)")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    fig.suptitle(f"{result['trace']['calls']} calls, {result['trace']['sessions']} sessions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pools", default="0.25,0.5,0.75,1.0", help="fractions of working set")
+    parser.add_argument("--sessions", type=int, default=TraceConfig.sessions)
+    parser.add_argument("--bursts", type=int, default=TraceConfig.bursts_per_session)
+    parser.add_argument("--steps", type=int, default=TraceConfig.steps_per_burst)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny trace, one pool (CI)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.pools, args.sessions, args.bursts, args.steps = "0.5", 3, 2, 3
+    config = TraceConfig(
+        sessions=args.sessions, bursts_per_session=args.bursts, steps_per_burst=args.steps,
+        seed=args.seed,
+    )  # fmt: skip
+    calls = generate(config)
+    say(f"trace: {json.dumps(describe(calls))}")
+    fractions = [float(f) for f in args.pools.split(",")]
+    result: dict[str, Any] = {
+        "trace": {**describe(calls), "config": dataclasses.asdict(config)},
+        "runs": [],
+    }
+    tokens: list[tuple[int, ...]] | None = None
+    for fraction in fractions:
+        if tokens is None:  # tokenise with vLLM's renderer on a roomy server, once
+            say("starting a server to tokenise the trace with vLLM's renderer ...")
+            with VLLMServer(plugin=False, num_blocks=512, api_key=API_KEY) as server:
+                tokens = tokenize(server, calls)
+            requests = [Request(c.session, t) for c, t in zip(calls, tokens, strict=True)]
+            ws = working_set(requests, BLOCK_SIZE)
+            longest = max(len(t) for t in tokens)
+            result["trace"].update(working_set_blocks=ws, longest_prompt_tokens=longest)
+            say(f"working set {ws} blocks; longest prompt {longest} tokens")
+        capacity = max(math.ceil(fraction * ws), -(-(longest + MAX_TOKENS) // BLOCK_SIZE) + 1)
+        max_model_len = min(capacity * BLOCK_SIZE, 32768)
+        say(f"pool {fraction}x: {capacity} usable blocks; starting vanilla and plugin servers ...")
+        vanilla, plugin = start_pair(capacity + 1, max_model_len)
+        try:
+
+            def progress(i: int, f: float = fraction) -> None:
+                if (i + 1) % 20 == 0 or i + 1 == len(calls):
+                    say(f"  pool {f}x: {i + 1}/{len(calls)} calls replayed on both servers")
+
+            run = replay(calls, vanilla, plugin, progress)
+        finally:
+            vanilla.stop()
+            plugin.stop()
+        sim = {p: simulate(requests, capacity, p, BLOCK_SIZE, MAX_TOKENS) for p in POLICIES}
+        run.update(
+            fraction=fraction,
+            num_blocks=capacity + 1,
+            simulated={p: {"hit_rate": round(v["hit_rate"], 4)} for p, v in sim.items()},
+            gap_closed=gap_closed(sim),
+            sim_vs_real_lru=round(sim["lru"]["hit_rate"] - run["vanilla"]["hit_rate"], 4),
+        )
+        result["runs"].append(run)
+        say(
+            f"pool {fraction}x: hit rate vanilla {run['vanilla']['hit_rate']} vs plugin "
+            f"{run['plugin']['hit_rate']}; TTFT p90 {run['vanilla']['ttft_ms_p90']} vs "
+            f"{run['plugin']['ttft_ms_p90']} ms"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "agent_benchmark_quick" if args.quick else "agent_benchmark"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    plot(result, out / f"{stem}.png")
+    print(markdown(result))
+    say(f"wrote {out / stem}.json, .md and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Offline prefix-cache simulator: the same block-hash trace under four eviction policies.
+
+- ``infinite``: nothing is ever evicted (upper bound of the trace);
+- ``lru``: vLLM-like: uncached blocks are reused first, then cached blocks in LRU order, a
+  finished request's blocks freed tail first (so its tail is evicted first);
+- ``lru_release``: ``lru`` plus the release: when a session's window is rewritten, its previous
+  request's blocks from the first stale block on (unless another session still uses them) are
+  evicted before any other cached block;
+- ``belady``: evict the cached block whose next use is farthest in the future (deeper blocks
+  first on ties, so the cache stays prefix-closed: a child is never used before its parent).
+
+Requests are processed one at a time, as the benchmark replays them. Hits follow vLLM's rules:
+the longest prefix of full blocks found in the cache, at most ``(prompt_tokens - 1) // block``
+blocks (the last token is always computed). Physical blocks are modelled, so a recomputed block
+whose hash is still cached elsewhere takes a second block, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("infinite", "lru", "lru_release", "belady")
+
+
+@dataclass(frozen=True)
+class Request:
+    session: str
+    tokens: tuple[int, ...]
+
+
+def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
+    out, parent = [], 0
+    for i in range(len(tokens) // block):
+        parent = hash((parent, tuple(tokens[i * block : (i + 1) * block])))
+        out.append(parent)
+    return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class CapacityError(RuntimeError):
+    pass
+
+
+class _Cache:
+    def __init__(self, capacity: int, policy: str, hashes: list[list[int]], block: int) -> None:
+        self.capacity, self.policy, self.block = capacity, policy, block
+        self.free = capacity
+        self.hash_of: dict[int, int] = {}
+        self.depth_of: dict[int, int] = {}
+        self.by_hash: dict[int, set[int]] = {}
+        self.order: OrderedDict[int, None] = OrderedDict()
+        self.released: OrderedDict[int, None] = OrderedDict()
+        self.owners: dict[int, set[str]] = {}
+        self.latest: dict[str, list[int]] = {}
+        self.ids = itertools.count()
+        self.now = 0
+        self.uses: dict[int, list[int]] = {}
+        if policy == "belady":
+            for index, request_hashes in enumerate(hashes):
+                for h in request_hashes:
+                    self.uses.setdefault(h, []).append(index)
+
+    def _next_use(self, h: int) -> int:
+        uses = self.uses.get(h, ())
+        lo, hi = 0, len(uses)
+        while lo < hi:  # first use strictly after now
+            mid = (lo + hi) // 2
+            if uses[mid] <= self.now:
+                lo = mid + 1
+            else:
+                hi = mid
+        return uses[lo] if lo < len(uses) else 1 << 60
+
+    def _evict_one(self) -> None:
+        if self.released:
+            victim, _ = self.released.popitem(last=False)
+        elif not self.order:
+            raise CapacityError("the pool cannot hold one request")
+        elif self.policy == "belady":
+            victim = max(
+                self.order, key=lambda b: (self._next_use(self.hash_of[b]), self.depth_of[b])
+            )
+            del self.order[victim]
+        else:
+            victim, _ = self.order.popitem(last=False)
+        h = self.hash_of.pop(victim)
+        self.depth_of.pop(victim)
+        self.by_hash[h].discard(victim)
+        if not self.by_hash[h]:
+            del self.by_hash[h]
+        self.owners.pop(victim, None)
+        self.free += 1
+
+    def release(self, session: str, first_block: int) -> None:
+        for b in self.latest.get(session, [])[first_block:]:
+            owners = self.owners.get(b)
+            if owners is None or session not in owners:
+                continue
+            owners.discard(session)
+            if not owners and b in self.order:
+                del self.order[b]
+                self.released[b] = None
+
+    def request(self, session: str, hashes: list[int], tokens: int, generated: int) -> int:
+        """Serve one request; returns the number of prompt tokens hit."""
+        used: list[int] = []
+        for h in hashes[: (tokens - 1) // self.block]:
+            copies = self.by_hash.get(h)
+            if not copies:
+                break
+            used.append(next(iter(copies)))
+        for b in used:  # in use now: not evictable
+            self.order.pop(b, None)
+            self.released.pop(b, None)
+        need = -(-(tokens + generated) // self.block) - len(used)
+        if need > self.capacity - len(used):
+            raise CapacityError(
+                f"a request needs {need + len(used)} blocks, pool has {self.capacity}"
+            )
+        while self.free < need:
+            self._evict_one()
+        self.free -= need
+        full = hashes[len(used) :]
+        new_cached = []
+        for depth, h in enumerate(full, start=len(used)):
+            b = next(self.ids)
+            self.hash_of[b], self.depth_of[b] = h, depth
+            self.by_hash.setdefault(h, set()).add(b)
+            new_cached.append(b)
+        self.free += need - len(new_cached)  # partial tail and generated tokens: uncached
+        blocks = used + new_cached
+        for b in reversed(blocks):  # vLLM frees a request tail first
+            self.order[b] = None
+        for b in blocks:
+            self.owners.setdefault(b, set()).add(session)
+        self.latest[session] = blocks
+        self.now += 1
+        return len(used) * self.block
+
+
+def simulate(
+    requests: Sequence[Request], capacity: int, policy: str, block: int = 32, generated: int = 4
+) -> dict[str, float]:
+    """Hit rate of ``requests`` under ``policy`` with a pool of ``capacity`` blocks."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    hashes = [block_hashes(r.tokens, block) for r in requests]
+    cache = _Cache(1 << 40 if policy == "infinite" else capacity, policy, hashes, block)
+    previous: dict[str, tuple[int, ...]] = {}
+    hit = queries = 0
+    for request, request_hashes in zip(requests, hashes, strict=True):
+        before = previous.get(request.session)
+        if policy == "lru_release" and before is not None:
+            stale = common_prefix(before, request.tokens)
+            if stale < len(before):  # rewritten, not appended: release the stale tail
+                cache.release(request.session, stale // block)
+        hit += cache.request(request.session, request_hashes, len(request.tokens), generated)
+        queries += len(request.tokens)
+        previous[request.session] = request.tokens
+    return {"hit_tokens": hit, "query_tokens": queries, "hit_rate": hit / queries if queries else 0}
+
+
+def working_set(requests: Sequence[Request], block: int = 32) -> int:
+    """Peak number of distinct blocks in the sessions' latest prompts (shared blocks once)."""
+    latest: dict[str, set[int]] = {}
+    peak = 0
+    for request in requests:
+        latest[request.session] = set(block_hashes(request.tokens, block))
+        peak = max(peak, len(set().union(*latest.values())))
+    return peak
+
+
+def gap_closed(results: dict[str, dict[str, float]]) -> float | None:
+    """Share of the LRU → Belady hit-rate gap that the release closes."""
+    lru, rel, opt = (results[p]["hit_rate"] for p in ("lru", "lru_release", "belady"))
+    return (rel - lru) / (opt - lru) if opt > lru else None
