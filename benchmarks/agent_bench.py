@@ -184,7 +184,8 @@ def start_pair(num_blocks: int, max_model_len: int) -> tuple[VLLMServer, VLLMSer
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "| pool | blocks | side | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | computed tokens | time |",
+        "| pool | blocks | side | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | computed tokens "
+        "| time |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for run in result["runs"]:
@@ -198,7 +199,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "| pool | infinite | LRU (sim) | LRU + release (sim) | Belady (sim) | gap closed | "
-        "sim LRU − real vanilla |",
+        "sim LRU - real vanilla |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in result["runs"]:

@@ -24,7 +24,37 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-WORDS = ["weather", "city", "wind", "rain", "sunny", "cloud", "forecast", "tool", "result", "agent", "plan", "step", "file", "read", "write", "search", "error", "value", "key", "list", "item", "build", "test", "deploy", "commit", "branch", "merge", "log", "trace"]
+WORDS = [
+    "weather",
+    "city",
+    "wind",
+    "rain",
+    "sunny",
+    "cloud",
+    "forecast",
+    "tool",
+    "result",
+    "agent",
+    "plan",
+    "step",
+    "file",
+    "read",
+    "write",
+    "search",
+    "error",
+    "value",
+    "key",
+    "list",
+    "item",
+    "build",
+    "test",
+    "deploy",
+    "commit",
+    "branch",
+    "merge",
+    "log",
+    "trace",
+]
 POLICIES = ("micro", "dialogue", "truncate", "full")
 PLACEHOLDER = "[Old tool result content cleared]"
 

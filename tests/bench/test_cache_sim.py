@@ -12,7 +12,7 @@ B = 4  # small blocks keep the scenarios readable
 
 
 def seq(start: int, blocks: int) -> tuple[int, ...]:
-    return tuple(range(start, start + blocks * B)) + (99_999,)  # + one token: all blocks hittable
+    return (*range(start, start + blocks * B), 99_999)  # + one token: all blocks hittable
 
 
 def squeeze() -> list[Request]:
