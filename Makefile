@@ -9,7 +9,7 @@ DEV    := $(VENV)/.installed-dev
 SERVER := $(VENV)/.installed-server
 MODEL  := .cache/tiny-llama/jiuwen-recipe.json
 
-.PHONY: demo test test-client lint format bench bench-client bench-server model clean
+.PHONY: demo test test-client lint format bench bench-client bench-server bench-agents model clean
 
 $(DEV): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ model: $(MODEL)
 
 ## demo: real vLLM (CPU) with the plugin, an agent with compaction, the releases and their effect
 demo: $(MODEL)
-	$(PY) examples/compaction_agent.py --vllm
+	$(PY) examples/demo.py
 
 ## test: lint, then the whole test suite (client, core, adapter on real vLLM classes, end to end)
 test: $(MODEL) lint
@@ -51,7 +51,7 @@ format: $(DEV)
 	$(PY) -m ruff check --fix .
 
 ## bench: all benchmarks (results in benchmarks/results/)
-bench: bench-client bench-server
+bench: bench-client bench-server bench-agents
 
 bench-client: $(DEV)
 	$(PY) benchmarks/hook_overhead.py
@@ -61,6 +61,10 @@ bench-server: $(MODEL)
 	$(PY) benchmarks/queue_ops.py
 	$(PY) benchmarks/server_throughput.py
 	$(PY) benchmarks/release_latency.py
+
+## bench-agents: the multi-session agent benchmark, vanilla vs plugin (about 15 minutes)
+bench-agents: $(MODEL)
+	$(PY) benchmarks/agent_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

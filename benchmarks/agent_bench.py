@@ -134,13 +134,20 @@ def warm_up(vanilla: VLLMServer, plugin: VLLMServer) -> None:
 
 
 def replay(
-    calls: list[Call], vanilla: VLLMServer, plugin: VLLMServer, progress: Callable[[int], None]
+    calls: list[Call],
+    vanilla: VLLMServer,
+    plugin: VLLMServer,
+    progress: Callable[[int], None],
+    **hook_options: Any,
 ) -> dict[str, Any]:
+    """Replay ``calls`` on both servers, interleaved; the hook is installed for the plugin side
+    only (its calls run in a session; the vanilla side's calls have none, so the hook leaves
+    them alone)."""
     warm_up(vanilla, plugin)
     sides = {"vanilla": Side(), "plugin": Side()}
     before = {"vanilla": prefix_counters(vanilla), "plugin": prefix_counters(plugin)}
     jiuwen_hooks.uninstall()
-    hook = jiuwen_hooks.install()
+    hook = jiuwen_hooks.install(**hook_options)
     try:
         with (
             openai.OpenAI(base_url=vanilla.base_url, api_key=API_KEY, max_retries=0) as plain,

@@ -54,7 +54,7 @@ def micro_compact(messages: list[dict[str, Any]], keep_last: int = 1) -> None:
 
 def weather_report(city: str) -> str:
     """A long tool result, as real tools return: this is what compaction later clears."""
-    hours = [f"{h:02d}:00 {city} {12 + h % 7}C wind {3 + h % 5} m/s" for h in range(24)]
+    hours = [f"{h:02d}:00 {city} {12 + h % 7}C wind {3 + h % 5} m/s" for h in range(6, 18)]
     return json.dumps({"city": city, "hourly": hours})
 
 

@@ -321,3 +321,125 @@ class TelemetryCapture:
     def shutdown(self) -> None:
         self.tracer_provider.shutdown()
         self.meter_provider.shutdown()
+
+
+@dataclass(frozen=True)
+class CollectedSpan:
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    kind: str
+    service: str
+
+
+class OtlpCollector:
+    """A real OpenTelemetry collector process (``rotel``, from PyPI) on loopback that prints
+    what it receives; ``spans()`` parses that output. OTLP/gRPC on ``grpc_endpoint``, OTLP/HTTP
+    on ``http_endpoint`` (``/v1/traces``). Needs ``pip install rotel``."""
+
+    def __init__(self, log_path: str | None = None) -> None:
+        import tempfile
+
+        self.grpc_port, self.http_port = _free_port(), _free_port()
+        self.log_path = log_path or tempfile.mktemp(prefix="otel-collector-", suffix=".log")
+        self._process: Any = None
+
+    @staticmethod
+    def binary() -> str | None:
+        """Path of the collector binary, or ``None`` when rotel is not installed."""
+        try:
+            import rotel
+        except ImportError:
+            return None
+        from pathlib import Path
+
+        path = Path(rotel.__file__).parent / "rotel-agent"
+        return str(path) if path.exists() else None
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self) -> OtlpCollector:
+        import os
+        import subprocess
+
+        binary = self.binary()
+        if binary is None:
+            raise RuntimeError("the rotel collector is not installed: pip install rotel")
+        os.chmod(binary, 0o755)
+        command = [
+            binary, "start",
+            "--otlp-grpc-endpoint", f"127.0.0.1:{self.grpc_port}",
+            "--otlp-http-endpoint", f"127.0.0.1:{self.http_port}",
+            "--exporter", "blackhole",
+            "--debug-log", "traces",
+            "--debug-log-verbosity", "detailed",
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.http_port)) == 0:
+                    return self
+            if self._process.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the collector did not start; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+        self._process = None
+
+    def __enter__(self) -> OtlpCollector:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def spans(self) -> list[CollectedSpan]:
+        import re
+
+        with open(self.log_path, errors="replace") as f:
+            text = re.sub(r"\x1b\[[0-9;]*m", "", f.read())
+        spans, service = [], ""
+        fields: dict[str, str] = {}
+        for line in text.splitlines():
+            if m := re.search(r"service\.name: Str\((.*)\)", line):
+                service = m.group(1)
+            elif m := re.match(r"\s+(Trace ID|Parent ID|ID|Name|Kind)\s*: ?(.*)$", line):
+                fields[m.group(1)] = m.group(2).strip()
+                if m.group(1) == "Kind":
+                    spans.append(
+                        CollectedSpan(
+                            fields.get("Trace ID", ""), fields.get("ID", ""),
+                            fields.get("Parent ID", ""), fields.get("Name", ""),
+                            fields["Kind"], service,
+                        )
+                    )  # fmt: skip
+                    fields = {}
+        return spans
+
+    def wait_for(self, predicate: Any, timeout: float = 30.0) -> list[CollectedSpan]:
+        """Poll until ``predicate(spans)`` is true (exporters batch for a few seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            spans = self.spans()
+            if predicate(spans) or time.monotonic() > deadline:
+                return spans
+            time.sleep(0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,230 @@
+"""The main demo: real vLLM (CPU) with and without the plugin, side by side.
+
+    make demo            (or: python examples/demo.py)
+
+1. The original design's scenario on the plugin server: a 3-round weather agent whose
+   micro-compaction clears the two older tool results, so a release fires at the first cleared
+   message; the release and the server's free-queue segments are printed.
+2. A memory squeeze, on both servers: session B idles, A (the hot one) compacts, C arrives and
+   needs more blocks than are free. With the plugin C reuses A's stale blocks; vanilla vLLM's LRU
+   evicts B's prefix. B's return shows it: cached tokens and TTFT on each server.
+3. A short multi-session agent run (bursts, tool results, four compaction policies) replayed on
+   both servers: token hit rate and TTFT.
+4. Traces: client and server spans are exported over OTLP to a real collector process (rotel)
+   when it is installed; the demo says where they went and checks they share trace ids.
+
+Everything it starts is stopped on exit, on failure and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import Any
+
+import openai
+from compaction_agent import run_weather_agent
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import jiuwen_hooks
+from jiuwen_hooks.testing import OtlpCollector
+from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
+from vllm_affinity.tiny_model import build
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from agent_bench import replay
+from agent_trace import TraceConfig, describe, generate
+
+API_KEY = "demo-key"
+BLOCKS = 96
+WORDS = [
+    "weather",
+    "city",
+    "wind",
+    "rain",
+    "sunny",
+    "cloud",
+    "forecast",
+    "paris",
+    "oslo",
+    "lima",
+    "tool",
+    "result",
+    "agent",
+]
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def filler_window(seed: int, words: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+
+    def text(n: int) -> str:
+        return " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 999)}" for _ in range(n))
+
+    return [
+        {"role": "system", "content": f"You are agent {seed}."},
+        {"role": "user", "content": text(words // 2)},
+        {"role": "assistant", "content": "Looking it up."},
+        {"role": "tool", "tool_call_id": "c1", "content": text(words // 2)},
+    ]
+
+
+def timed_chat(server: VLLMServer, session: str, window: list[dict[str, Any]]) -> tuple[int, float]:
+    """(cached prompt tokens, TTFT seconds) of one streamed call in ``session``."""
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:
+        start = time.perf_counter()
+        ttft, cached = None, 0
+        with jiuwen_hooks.session(session) if server.plugin else nullcontext():
+            stream = client.chat.completions.create(
+                model=SERVED_NAME, messages=window, max_tokens=4, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                ttft = ttft or time.perf_counter() - start
+                if chunk.usage and chunk.usage.prompt_tokens_details:
+                    cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+        return cached, ttft or 0.0
+
+
+def engine_stats(server: VLLMServer) -> dict[str, Any]:
+    (stats,) = server.affinity_stats()["engines"]
+    return stats
+
+
+def part_weather(plugin: VLLMServer, spans: InMemorySpanExporter) -> None:
+    say("\n1) The weather agent (3 rounds, then micro-compaction) on the plugin server")
+    with openai.OpenAI(base_url=plugin.base_url, api_key=API_KEY, max_retries=0) as client:
+        run_weather_agent(client, SERVED_NAME, "weather-1", lambda t: say(t))
+    for span in spans.get_finished_spans():
+        a = span.attributes or {}
+        if span.name == "kv_cache.release":
+            say(
+                f"  release: session={a.get('gen_ai.conversation.id')} "
+                f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
+                f"reason={a.get('jiuwen.release.reason')} "
+                f"block_released={a.get('jiuwen.release.block_released')}"
+            )
+    say(f"  server free-queue segments: {engine_stats(plugin)['segments']}")
+
+
+def part_squeeze(plugin: VLLMServer, vanilla: VLLMServer) -> None:
+    say("\n2) Memory squeeze: B idles, A compacts, C needs more than the free blocks")
+    rows = []
+    for server in (vanilla, plugin):
+        tag = "plugin" if server.plugin else "vanilla"
+        b_window = filler_window(10, 120)
+        timed_chat(server, f"B-{tag}", b_window)
+        timed_chat(server, f"D-{tag}", filler_window(15, 400))
+        a_window = filler_window(20, 600)
+        timed_chat(server, f"A-{tag}", a_window)
+        a_compacted = [*a_window[:2], {"role": "user", "content": "[summary of the tool work]"}]
+        timed_chat(server, f"A-{tag}", a_compacted)  # the hook releases A's stale blocks first
+        timed_chat(server, f"C-{tag}", filler_window(30, 600))
+        cached, ttft = timed_chat(server, f"B-{tag}", b_window)
+        rows.append((tag, cached, ttft))
+        say(f"  {tag:>7}: B's return hit {cached} cached prompt tokens, TTFT {ttft * 1e3:.0f} ms")
+    stats = engine_stats(plugin)
+    say(f"  plugin server: {stats['released_reused']} released blocks reused so far, "
+        f"segments {stats['segments']}")  # fmt: skip
+
+
+def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider: Any) -> None:
+    config = TraceConfig(sessions=6, bursts_per_session=2, steps_per_burst=3, seed=1)
+    calls = generate(config)
+    say(f"\n3) A short multi-session agent run on both servers: {json.dumps(describe(calls))}")
+
+    def progress(i: int) -> None:
+        if (i + 1) % 12 == 0 or i + 1 == len(calls):
+            say(f"  {i + 1}/{len(calls)} calls replayed on both servers")
+
+    result = replay(calls, vanilla, plugin, progress, tracer_provider=tracer_provider)
+    say("  side      hit rate   TTFT p50   TTFT p90   computed tokens")
+    for side in ("vanilla", "plugin"):
+        r = result[side]
+        say(
+            f"  {side:<8} {r['hit_rate']:>8.3f} {r['ttft_ms_p50']:>8.0f} ms {r['ttft_ms_p90']:>7.0f} ms"
+            f" {r['computed_tokens']:>12,}"
+        )
+    say(f"  the hook sent {result['plugin']['releases']} releases freeing "
+        f"{result['plugin']['blocks_released']} blocks")  # fmt: skip
+
+
+def main() -> int:
+    say("== Agent-aware KV-cache release: vLLM with vllm_affinity vs vanilla vLLM (CPU) ==")
+    with ExitStack() as stack:
+        try:
+            say("Building the small local model (once) ...")
+            build()
+            collector = None
+            if OtlpCollector.binary():
+                collector = stack.enter_context(OtlpCollector())
+                say(f"Started an OTLP collector (rotel) at {collector.http_endpoint}; "
+                    f"it prints what it receives to {collector.log_path}")  # fmt: skip
+            else:
+                say("No OTLP collector installed (pip install rotel): spans stay in memory")
+            memory = InMemorySpanExporter()
+            provider = TracerProvider(resource=Resource.create({"service.name": "demo-agent"}))
+            provider.add_span_processor(SimpleSpanProcessor(memory))
+            extra: tuple[str, ...] = ()
+            if collector is not None:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+
+                exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
+                provider.add_span_processor(SimpleSpanProcessor(exporter))
+                extra = ("--otlp-traces-endpoint", collector.grpc_endpoint)
+            stack.callback(provider.shutdown)
+            plugin = VLLMServer(plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra)
+            vanilla = VLLMServer(plugin=False, num_blocks=BLOCKS, api_key=API_KEY)
+            say(f"Starting vLLM with the plugin ({plugin.root_url}) and vanilla vLLM "
+                f"({vanilla.root_url}), {BLOCKS} KV blocks of {BLOCK_SIZE} tokens each, "
+                "about 40 s ...")  # fmt: skip
+            for server in (plugin, vanilla):
+                stack.callback(server.stop)
+                server.start(wait=False)
+            for server in (plugin, vanilla):
+                server.wait_healthy()
+            say(f"  logs: {plugin.log_path}, {vanilla.log_path}")
+            jiuwen_hooks.install(tracer_provider=provider)
+            stack.callback(jiuwen_hooks.uninstall)
+
+            part_weather(plugin, memory)
+            part_squeeze(plugin, vanilla)
+            part_multi_session(plugin, vanilla, provider)
+
+            provider.force_flush()
+            if collector is not None:
+                say("\n4) Traces")
+                spans = collector.wait_for(
+                    lambda s: any(
+                        x.kind == "SPAN_KIND_SERVER" and x.name == "kv_cache.release" for x in s
+                    ),
+                    timeout=20,
+                )
+                releases = [s for s in spans if s.name == "kv_cache.release"]
+                clients = {s.trace_id for s in releases if s.kind == "SPAN_KIND_CLIENT"}
+                servers = {s.trace_id for s in releases if s.kind == "SPAN_KIND_SERVER"}
+                say(f"  the collector received {len(spans)} spans: {len(clients)} client "
+                    f"release spans, {len(servers)} server release spans, "
+                    f"{len(clients & servers)} traces holding both")  # fmt: skip
+                say(f"  (collector output: {collector.log_path})")
+            say("\nDone; stopping the servers.")
+        except KeyboardInterrupt:
+            say("\nInterrupted; stopping everything.")
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""CI's short run of the agent benchmark: the whole pipeline works (not the figures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import agent_bench
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_quick_benchmark_pipeline(tmp_path: Path) -> None:
+    assert agent_bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "agent_benchmark_quick.json").read_text())
+    (run,) = result["runs"]
+    for side in ("vanilla", "plugin"):
+        assert 0 < run[side]["hit_rate"] < 1
+        assert run[side]["ttft_ms_p50"] > 0
+        assert run[side]["prompt_tokens"] > run[side]["computed_tokens"] > 0
+    assert run["vanilla"]["prompt_tokens"] == run["plugin"]["prompt_tokens"]  # same trace
+    assert run["plugin"]["releases"] == sum(result["trace"]["compactions"].values())
+    assert set(run["simulated"]) == {"infinite", "lru", "lru_release", "belady"}
+    assert abs(run["sim_vs_real_lru"]) < 0.05  # the simulator models vanilla vLLM closely
+    assert (tmp_path / "agent_benchmark_quick.md").read_text().startswith("| pool |")
+    assert (tmp_path / "agent_benchmark_quick.png").read_bytes()[:4] == b"\x89PNG"

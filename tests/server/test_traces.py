@@ -1,0 +1,62 @@
+"""Traces in a real OTel collector process: the client's release span and the server's span
+arrive in the same trace, the server's a child of the client's."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+import jiuwen_hooks
+from jiuwen_hooks.testing import OtlpCollector
+from vllm_affinity.testing import SERVED_NAME, VLLMServer
+
+pytestmark = pytest.mark.e2e
+
+
+def test_client_and_server_release_spans_share_a_trace() -> None:
+    with OtlpCollector() as collector:
+        server = VLLMServer(
+            plugin=True,
+            num_blocks=64,
+            api_key="k",
+            extra_args=("--otlp-traces-endpoint", collector.grpc_endpoint),
+            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
+        )
+        provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
+        exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        with server:
+            jiuwen_hooks.uninstall()
+            jiuwen_hooks.install(tracer_provider=provider)
+            try:
+                with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+                    window = [
+                        {"role": "system", "content": "You are a weather bot. " * 20},
+                        {"role": "user", "content": "Paris? " * 40},
+                    ]
+                    with jiuwen_hooks.session("traced"):
+                        client.chat.completions.create(
+                            model=SERVED_NAME, messages=window, max_tokens=2
+                        )
+                        client.chat.completions.create(
+                            model=SERVED_NAME, messages=window[:1], max_tokens=2
+                        )
+            finally:
+                jiuwen_hooks.uninstall()
+                provider.shutdown()
+
+            def both(spans: list) -> bool:
+                kinds = {s.kind for s in spans if s.name == "kv_cache.release"}
+                return {"SPAN_KIND_CLIENT", "SPAN_KIND_SERVER"} <= kinds
+
+            spans = collector.wait_for(both, timeout=40)
+    releases = [s for s in spans if s.name == "kv_cache.release"]
+    (client_span,) = [s for s in releases if s.kind == "SPAN_KIND_CLIENT"]
+    (server_span,) = [s for s in releases if s.kind == "SPAN_KIND_SERVER"]
+    assert client_span.service == "agent"
+    assert server_span.trace_id == client_span.trace_id
+    assert server_span.parent_id == client_span.span_id
