@@ -24,37 +24,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-WORDS = [
-    "weather",
-    "city",
-    "wind",
-    "rain",
-    "sunny",
-    "cloud",
-    "forecast",
-    "tool",
-    "result",
-    "agent",
-    "plan",
-    "step",
-    "file",
-    "read",
-    "write",
-    "search",
-    "error",
-    "value",
-    "key",
-    "list",
-    "item",
-    "build",
-    "test",
-    "deploy",
-    "commit",
-    "branch",
-    "merge",
-    "log",
-    "trace",
-]
+from vllm_affinity.testing import filler_text
+
 POLICIES = ("micro", "dialogue", "truncate", "full")
 PLACEHOLDER = "[Old tool result content cleared]"
 
@@ -115,10 +86,6 @@ TOOLS = [
 ]
 
 
-def _filler(rng: random.Random, pairs: int) -> str:
-    return " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 999)}" for _ in range(pairs))
-
-
 def _compact(session: _Session, config: TraceConfig) -> str | None:
     window = session.window
     tool_indices = [i for i, m in enumerate(window) if m["role"] == "tool"]
@@ -136,7 +103,8 @@ def _compact(session: _Session, config: TraceConfig) -> str | None:
         session.summaries += 1
         memory = {
             "role": "user",
-            "content": f"[DIALOGUE_MEMORY_BLOCK {session.summaries}] " + _filler(session.rng, 12),
+            "content": f"[DIALOGUE_MEMORY_BLOCK {session.summaries}] "
+            + filler_text(session.rng, 12),
         }
         window[start:end] = [memory]
     elif policy == "truncate":
@@ -145,7 +113,7 @@ def _compact(session: _Session, config: TraceConfig) -> str | None:
             del window[1]  # never start with an orphaned tool result
     else:  # full
         session.summaries += 1
-        summary = {"role": "user", "content": "Summary so far: " + _filler(session.rng, 20)}
+        summary = {"role": "user", "content": "Summary so far: " + filler_text(session.rng, 20)}
         window[1:] = [summary]
     return policy
 
@@ -153,7 +121,7 @@ def _compact(session: _Session, config: TraceConfig) -> str | None:
 def _step(session: _Session, config: TraceConfig, first_of_burst: bool) -> Call:
     rng = session.rng
     if first_of_burst:
-        session.window.append({"role": "user", "content": _filler(rng, config.user_pairs)})
+        session.window.append({"role": "user", "content": filler_text(rng, config.user_pairs)})
     compaction = _compact(session, config)
     call = Call(session.name, [dict(m) for m in session.window], TOOLS, compaction)
     session.steps += 1
@@ -176,7 +144,11 @@ def _step(session: _Session, config: TraceConfig, first_of_burst: bool) -> Call:
         }
     )
     session.window.append(
-        {"role": "tool", "tool_call_id": call_id, "content": _filler(rng, config.tool_result_pairs)}
+        {
+            "role": "tool",
+            "tool_call_id": call_id,
+            "content": filler_text(rng, config.tool_result_pairs),
+        }
     )
     return call
 
@@ -184,7 +156,7 @@ def _step(session: _Session, config: TraceConfig, first_of_burst: bool) -> Call:
 def generate(config: TraceConfig = TraceConfig()) -> list[Call]:
     """The calls of all sessions in arrival order (deterministic for a given config)."""
     rng = random.Random(config.seed)
-    system = "You are a coding agent. " + _filler(random.Random(-1), config.system_pairs)
+    system = "You are a coding agent. " + filler_text(random.Random(-1), config.system_pairs)
     sessions = [
         _Session(
             name=f"s{i}",

@@ -15,10 +15,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import openai
+from _common import write_json
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import LocalEngine
@@ -100,8 +100,7 @@ def main() -> int:
                 "before_call_us_per_message": round(cost * 1e6 / n, 3),
             }
             print(f"window {n:>4}: {json.dumps(results['sizes'][n])}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results, echo=False)
     print(f"wrote {args.out}")
     return 0
 

@@ -13,14 +13,13 @@ an operation vLLM's queue does not have, is timed separately.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from _common import write_json
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from vllm_affinity.core import SegmentedFreeBlockQueue
@@ -135,9 +134,7 @@ def main() -> int:
         "ratio_segmented_vs_vllm": round(medians["segmented"] / medians["vllm"], 3),
         "release_ns_per_block": round(release_cost(args.blocks) * 1e9, 1),
     }
-    print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return 0
 
 

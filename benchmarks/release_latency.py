@@ -17,31 +17,15 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+from _common import write_json
 
-from vllm_affinity.testing import SERVED_NAME, VLLMServer
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 TARGETS = {"1k": 1_000, "8k": 8_000, "32k": 31_000}
-WORDS = [
-    "weather",
-    "city",
-    "wind",
-    "rain",
-    "sunny",
-    "cloud",
-    "forecast",
-    "tool",
-    "result",
-    "agent",
-    "plan",
-    "step",
-    "file",
-    "read",
-]
 
 
 def build_window(target_tokens: int, seed: int) -> list[dict[str, Any]]:
@@ -51,7 +35,7 @@ def build_window(target_tokens: int, seed: int) -> list[dict[str, Any]]:
     window: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."}]
     for i in range(19):
         role = ("user", "assistant", "tool")[i % 3]
-        text = " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 999)}" for _ in range(pairs))
+        text = filler_text(rng, pairs)
         message: dict[str, Any] = {"role": role, "content": text}
         if role == "tool":
             message["tool_call_id"] = f"c{i}"
@@ -110,8 +94,7 @@ def main() -> int:
             }
             print(f"{label}: {json.dumps(results[label])}", flush=True)
         client.close()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results, echo=False)
     return 0
 
 

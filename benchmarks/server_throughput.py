@@ -12,48 +12,26 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import openai
+from _common import write_json
 
-from vllm_affinity.testing import SERVED_NAME, VLLMServer
-
-WORDS = [
-    "weather",
-    "city",
-    "wind",
-    "rain",
-    "sunny",
-    "cloud",
-    "forecast",
-    "tool",
-    "result",
-    "agent",
-    "plan",
-    "step",
-    "file",
-    "read",
-]
-
-
-def filler(rng: random.Random, words: int) -> str:
-    return " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 999)}" for _ in range(words))
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 
 def run_session(server: VLLMServer, session: str, turns: int, max_tokens: int) -> int:
     rng = random.Random(session)
     client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
-    window: list[dict[str, Any]] = [{"role": "system", "content": filler(rng, 60)}]
+    window: list[dict[str, Any]] = [{"role": "system", "content": filler_text(rng, 60)}]
     generated = 0
     with client:
         for _ in range(turns):
-            window.append({"role": "user", "content": filler(rng, 80)})
+            window.append({"role": "user", "content": filler_text(rng, 80)})
             reply = client.chat.completions.create(
                 model=SERVED_NAME,
                 messages=window,
@@ -119,9 +97,7 @@ def main() -> int:
         "median_tokens_per_second": {k: round(v, 1) for k, v in medians.items()},
         "ratio_plugin_vs_vanilla": round(medians["plugin"] / medians["vanilla"], 3),
     }
-    print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return 0
 
 

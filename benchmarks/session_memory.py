@@ -14,8 +14,9 @@ import gc
 import json
 import sys
 import tracemalloc
-from pathlib import Path
 from typing import Any
+
+from _common import write_json
 
 from jiuwen_hooks._diff import ReleasePolicy, Window, canonical_window
 from jiuwen_hooks._sessions import SessionTable
@@ -77,9 +78,7 @@ def main() -> int:
         "hook_vs_json_copy": round(hook_bytes / copy_bytes, 3),
         "snapshot_shares_strings": shared,
     }
-    print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return 0
 
 

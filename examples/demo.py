@@ -19,7 +19,6 @@ Everything it starts is stopped on exit, on failure and on Ctrl-C.
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -35,7 +34,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import OtlpCollector
-from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
+from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_window
 from vllm_affinity.tiny_model import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -44,39 +43,10 @@ from agent_trace import TraceConfig, describe, generate
 
 API_KEY = "demo-key"
 BLOCKS = 96
-WORDS = [
-    "weather",
-    "city",
-    "wind",
-    "rain",
-    "sunny",
-    "cloud",
-    "forecast",
-    "paris",
-    "oslo",
-    "lima",
-    "tool",
-    "result",
-    "agent",
-]
 
 
 def say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def filler_window(seed: int, words: int) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-
-    def text(n: int) -> str:
-        return " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 999)}" for _ in range(n))
-
-    return [
-        {"role": "system", "content": f"You are agent {seed}."},
-        {"role": "user", "content": text(words // 2)},
-        {"role": "assistant", "content": "Looking it up."},
-        {"role": "tool", "tool_call_id": "c1", "content": text(words // 2)},
-    ]
 
 
 def timed_chat(server: VLLMServer, session: str, window: list[dict[str, Any]]) -> tuple[int, float]:
@@ -152,8 +122,8 @@ def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider:
     for side in ("vanilla", "plugin"):
         r = result[side]
         say(
-            f"  {side:<8} {r['hit_rate']:>8.3f} {r['ttft_ms_p50']:>8.0f} ms {r['ttft_ms_p90']:>7.0f} ms"
-            f" {r['computed_tokens']:>12,}"
+            f"  {side:<8} {r['hit_rate']:>8.3f} {r['ttft_ms_p50']:>8.0f} ms "
+            f"{r['ttft_ms_p90']:>7.0f} ms {r['computed_tokens']:>12,}"
         )
     say(f"  the hook sent {result['plugin']['releases']} releases freeing "
         f"{result['plugin']['blocks_released']} blocks")  # fmt: skip

@@ -11,6 +11,7 @@ the log's tail if the server dies or times out.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -29,6 +30,56 @@ SERVED_NAME = "tiny"
 BLOCK_SIZE = 32
 
 
+#: Words for filler text: prompts of a predictable size for the small model (~2.4 tokens/pair).
+FILLER_WORDS = [
+    "weather",
+    "city",
+    "wind",
+    "rain",
+    "sunny",
+    "cloud",
+    "forecast",
+    "tool",
+    "result",
+    "agent",
+    "plan",
+    "step",
+    "file",
+    "read",
+    "write",
+    "search",
+    "error",
+    "value",
+    "key",
+    "list",
+    "item",
+    "build",
+    "test",
+    "deploy",
+    "commit",
+    "branch",
+    "merge",
+    "log",
+    "trace",
+]
+
+
+def filler_text(rng: random.Random, pairs: int) -> str:
+    """``pairs`` "word number" pairs drawn from ``rng``."""
+    return " ".join(f"{rng.choice(FILLER_WORDS)} {rng.randint(0, 999)}" for _ in range(pairs))
+
+
+def filler_window(seed: int, words: int) -> list[dict[str, Any]]:
+    """A 4-message window (system, user, assistant, tool) of about ``words`` filler pairs."""
+    rng = random.Random(seed)
+    return [
+        {"role": "system", "content": f"You are agent {seed}."},
+        {"role": "user", "content": filler_text(rng, words // 2)},
+        {"role": "assistant", "content": "Looking it up."},
+        {"role": "tool", "tool_call_id": "c1", "content": filler_text(rng, words // 2)},
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,6 +88,17 @@ def free_port() -> int:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started the server dies (Linux), so a
+    killed test run or demo leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class VLLMServer:
@@ -101,7 +163,12 @@ class VLLMServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
         log = self.log_path.open("wb")
         self._process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         if wait:

@@ -13,40 +13,23 @@ import pytest
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import TelemetryCapture
-from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
+from vllm_affinity.testing import (
+    BLOCK_SIZE,
+    SERVED_NAME,
+    VLLMServer,
+    filler_text,
+    filler_window,
+)
 
 pytestmark = pytest.mark.e2e
 
-WORDS = [
-    "weather",
-    "city",
-    "wind",
-    "rain",
-    "sunny",
-    "cloud",
-    "forecast",
-    "paris",
-    "oslo",
-    "lima",
-    "tool",
-    "result",
-    "agent",
-    "plan",
-]
-
 
 def text(n_words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 999)}" for _ in range(n_words))
+    return filler_text(random.Random(seed), n_words)
 
 
 def window(seed: int, words: int) -> list[dict[str, Any]]:
-    return [
-        {"role": "system", "content": f"You are agent {seed}."},
-        {"role": "user", "content": text(words // 2, seed)},
-        {"role": "assistant", "content": "Looking it up."},
-        {"role": "tool", "tool_call_id": "c1", "content": text(words // 2, seed + 1)},
-    ]
+    return filler_window(seed, words)
 
 
 def chat(server: VLLMServer, session: str, messages: list[dict[str, Any]], **kw: Any) -> Any:
