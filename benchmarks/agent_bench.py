@@ -125,7 +125,9 @@ def warm_up(vanilla: VLLMServer, plugin: VLLMServer) -> None:
     """First requests and the first release pay one-off costs (imports, template compilation)."""
     call = Call("warm-up", [{"role": "user", "content": "hello"}], [])
     for server in (vanilla, plugin):
-        with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:
+        with openai.OpenAI(
+            base_url=server.base_url, api_key=server.api_key, max_retries=0
+        ) as client:
             for _ in range(2):
                 stream_call(client, call, Side())
     body = {"model": SERVED_NAME, "cache_salt": "warm-up", "messages": call.window,
@@ -150,8 +152,12 @@ def replay(
     hook = jiuwen_hooks.install(**hook_options)
     try:
         with (
-            openai.OpenAI(base_url=vanilla.base_url, api_key=API_KEY, max_retries=0) as plain,
-            openai.OpenAI(base_url=plugin.base_url, api_key=API_KEY, max_retries=0) as hooked,
+            openai.OpenAI(
+                base_url=vanilla.base_url, api_key=vanilla.api_key, max_retries=0
+            ) as plain,
+            openai.OpenAI(
+                base_url=plugin.base_url, api_key=plugin.api_key, max_retries=0
+            ) as hooked,
         ):
             for index, call in enumerate(calls):
                 stream_call(plain, call, sides["vanilla"])  # no session: the hook stays out

@@ -25,6 +25,7 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 from compaction_agent import run_weather_agent
 from opentelemetry.sdk.resources import Resource
@@ -92,14 +93,16 @@ def part_squeeze(plugin: VLLMServer, vanilla: VLLMServer) -> None:
     rows = []
     for server in (vanilla, plugin):
         tag = "plugin" if server.plugin else "vanilla"
-        b_window = filler_window(10, 120)
+        # start from an empty prefix cache on both (dev-mode endpoint) so the sizes below squeeze
+        httpx.post(server.root_url + "/reset_prefix_cache", headers=server.headers(), timeout=30)
+        b_window = filler_window(10, 85)
         timed_chat(server, f"B-{tag}", b_window)
-        timed_chat(server, f"D-{tag}", filler_window(15, 400))
-        a_window = filler_window(20, 600)
+        timed_chat(server, f"D-{tag}", filler_window(15, 280))
+        a_window = filler_window(20, 410)
         timed_chat(server, f"A-{tag}", a_window)
-        a_compacted = [*a_window[:2], {"role": "user", "content": "[summary of the tool work]"}]
+        a_compacted = [a_window[0], {"role": "user", "content": "[summary of the work so far]"}]
         timed_chat(server, f"A-{tag}", a_compacted)  # the hook releases A's stale blocks first
-        timed_chat(server, f"C-{tag}", filler_window(30, 600))
+        timed_chat(server, f"C-{tag}", filler_window(30, 410))
         cached, ttft = timed_chat(server, f"B-{tag}", b_window)
         rows.append((tag, cached, ttft))
         say(f"  {tag:>7}: B's return hit {cached} cached prompt tokens, TTFT {ttft * 1e3:.0f} ms")
@@ -155,8 +158,11 @@ def main() -> int:
                 provider.add_span_processor(SimpleSpanProcessor(exporter))
                 extra = ("--otlp-traces-endpoint", collector.grpc_endpoint)
             stack.callback(provider.shutdown)
-            plugin = VLLMServer(plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra)
-            vanilla = VLLMServer(plugin=False, num_blocks=BLOCKS, api_key=API_KEY)
+            dev = {"VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache before the squeeze
+            plugin = VLLMServer(
+                plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra, env=dev
+            )
+            vanilla = VLLMServer(plugin=False, num_blocks=BLOCKS, api_key=API_KEY, env=dev)
             say(f"Starting vLLM with the plugin ({plugin.root_url}) and vanilla vLLM "
                 f"({vanilla.root_url}), {BLOCKS} KV blocks of {BLOCK_SIZE} tokens each, "
                 "about 40 s ...")  # fmt: skip

@@ -101,10 +101,10 @@ def test_other_sessions_prefix_survives_a_squeeze_side_by_side(
     results = {}
     for server in (vllm_affinity_server, vllm_vanilla_server):
         tag = "plugin" if server.plugin else "vanilla"
-        b_window = window(seed=10, words=120)
+        b_window = window(seed=10, words=85)
         b_first = chat(server, f"B-{tag}", b_window)
-        chat(server, f"D-{tag}", window(seed=15, words=400))
-        a_window = window(seed=20, words=600)
+        chat(server, f"D-{tag}", window(seed=15, words=280))
+        a_window = window(seed=20, words=410)
         a_reply = chat(server, f"A-{tag}", a_window)
         if server.plugin:
             released = server.release(release_body(f"A-{tag}", a_window, 1)).json()
@@ -112,7 +112,7 @@ def test_other_sessions_prefix_survives_a_squeeze_side_by_side(
         else:
             assert server.release(release_body(f"A-{tag}", a_window, 1)).status_code == 404
         free = engine(server)["segments"]["free"] if server.plugin else None
-        c_reply = chat(server, f"C-{tag}", window(seed=30, words=600))
+        c_reply = chat(server, f"C-{tag}", window(seed=30, words=410))
         b_again = chat(server, f"B-{tag}", b_window)
         results[tag] = {
             "b_prompt": b_first.usage.prompt_tokens,
