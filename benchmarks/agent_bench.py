@@ -40,6 +40,8 @@ import jiuwen_hooks
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
 
 API_KEY = "bench"
+#: Worker cores of the vanilla and the plugin server: one each, so neither slows the other.
+SIDE_CORES = ("1", "0")
 MAX_TOKENS = 4
 
 
@@ -180,8 +182,14 @@ def replay(
 
 def start_pair(num_blocks: int, max_model_len: int) -> tuple[VLLMServer, VLLMServer]:
     servers = tuple(
-        VLLMServer(plugin=p, num_blocks=num_blocks, max_model_len=max_model_len, api_key=API_KEY)
-        for p in (False, True)
+        VLLMServer(
+            plugin=plugin,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            api_key=API_KEY,
+            cpu_cores=cores,
+        )
+        for plugin, cores in ((False, SIDE_CORES[0]), (True, SIDE_CORES[1]))
     )
     for server in servers:
         server.start(wait=False)

@@ -66,8 +66,8 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/server_throughput.json")
     args = parser.parse_args()
     servers = {
-        "plugin": VLLMServer(plugin=True, num_blocks=args.blocks, api_key="bench"),
-        "vanilla": VLLMServer(plugin=False, num_blocks=args.blocks, api_key="bench"),
+        "plugin": VLLMServer(plugin=True, num_blocks=args.blocks, api_key="bench", cpu_cores="0"),
+        "vanilla": VLLMServer(plugin=False, num_blocks=args.blocks, api_key="bench", cpu_cores="1"),
     }
     rates: dict[str, list[float]] = {"plugin": [], "vanilla": []}
     try:

@@ -160,9 +160,12 @@ def main() -> int:
             stack.callback(provider.shutdown)
             dev = {"VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache before the squeeze
             plugin = VLLMServer(
-                plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra, env=dev
+                plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra, env=dev,
+                cpu_cores="0",
+            )  # fmt: skip
+            vanilla = VLLMServer(
+                plugin=False, num_blocks=BLOCKS, api_key=API_KEY, env=dev, cpu_cores="1"
             )
-            vanilla = VLLMServer(plugin=False, num_blocks=BLOCKS, api_key=API_KEY, env=dev)
             say(f"Starting vLLM with the plugin ({plugin.root_url}) and vanilla vLLM "
                 f"({vanilla.root_url}), {BLOCKS} KV blocks of {BLOCK_SIZE} tokens each, "
                 "about 40 s ...")  # fmt: skip

@@ -22,7 +22,7 @@ NUM_BLOCKS = 96
 def vllm_affinity_server() -> Iterator[object]:
     from .testing import VLLMServer
 
-    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY) as server:
+    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="0") as server:
         yield server
 
 
@@ -30,5 +30,5 @@ def vllm_affinity_server() -> Iterator[object]:
 def vllm_vanilla_server() -> Iterator[object]:
     from .testing import VLLMServer
 
-    with VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY) as server:
+    with VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1") as server:
         yield server
