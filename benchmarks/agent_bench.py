@@ -180,16 +180,18 @@ def replay(
     return out
 
 
-def start_pair(num_blocks: int, max_model_len: int) -> tuple[VLLMServer, VLLMServer]:
+def start_pair(
+    num_blocks: int, max_model_len: int, cores: tuple[str, str] = SIDE_CORES
+) -> tuple[VLLMServer, VLLMServer]:
     servers = tuple(
         VLLMServer(
             plugin=plugin,
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             api_key=API_KEY,
-            cpu_cores=cores,
+            cpu_cores=core,
         )
-        for plugin, cores in ((False, SIDE_CORES[0]), (True, SIDE_CORES[1]))
+        for plugin, core in ((False, cores[0]), (True, cores[1]))
     )
     for server in servers:
         server.start(wait=False)
@@ -276,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=TraceConfig.steps_per_burst)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny trace, one pool (CI)")
+    parser.add_argument(
+        "--cores", default=",".join(SIDE_CORES), help="worker cores: vanilla,plugin (default 1,0)"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.quick:
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity = max(math.ceil(fraction * ws), -(-(longest + MAX_TOKENS) // BLOCK_SIZE) + 1)
         max_model_len = min(capacity * BLOCK_SIZE, 32768)
         say(f"pool {fraction}x: {capacity} usable blocks; starting vanilla and plugin servers ...")
-        vanilla, plugin = start_pair(capacity + 1, max_model_len)
+        vanilla, plugin = start_pair(capacity + 1, max_model_len, tuple(args.cores.split(",")))
         try:
 
             def progress(i: int, f: float = fraction) -> None:
@@ -333,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "agent_benchmark_quick" if args.quick else "agent_benchmark"
+    if args.cores != ",".join(SIDE_CORES):
+        stem += "_cores_" + args.cores.replace(",", "_")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out / f"{stem}.png")

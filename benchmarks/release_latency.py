@@ -29,9 +29,9 @@ TARGETS = {"1k": 1_000, "8k": 8_000, "32k": 31_000}
 
 
 def build_window(target_tokens: int, seed: int) -> list[dict[str, Any]]:
-    """About ``target_tokens`` tokens in 20 messages (~2.4 tokens per word pair here)."""
+    """About ``target_tokens`` tokens in 20 messages (~3.45 tokens per filler pair here)."""
     rng = random.Random(seed)
-    pairs = max(1, int(target_tokens / 2.45 / 19))
+    pairs = max(1, int(target_tokens / 3.5 / 19))
     window: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."}]
     for i in range(19):
         role = ("user", "assistant", "tool")[i % 3]
