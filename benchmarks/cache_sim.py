@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_affinity.core import common_prefix_length
+
 POLICIES = ("infinite", "lru", "lru_release", "belady")
 
 
@@ -37,14 +39,6 @@ def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
         parent = hash((parent, tuple(tokens[i * block : (i + 1) * block])))
         out.append(parent)
     return out
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class CapacityError(RuntimeError):
@@ -161,7 +155,7 @@ def simulate(
     for request, request_hashes in zip(requests, hashes, strict=True):
         before = previous.get(request.session)
         if policy == "lru_release" and before is not None:
-            stale = common_prefix(before, request.tokens)
+            stale = common_prefix_length(before, request.tokens)
             if stale < len(before):  # rewritten, not appended: release the stale tail
                 cache.release(request.session, stale // block)
         hit += cache.request(request.session, request_hashes, len(request.tokens), generated)
