@@ -55,3 +55,10 @@ class Caller:
         else:
             self._runner.run(self.client.close())
             self._runner.close()
+
+
+def system_and_user(n_turns: int = 1) -> list[dict[str, str]]:
+    window = [{"role": "system", "content": "You are a careful agent."}]
+    for i in range(n_turns):
+        window.append({"role": "user", "content": f"question {i}"})
+    return window

@@ -24,13 +24,6 @@ async def aclient(jiuwen_engine: LocalEngine) -> AsyncIterator[openai.AsyncOpenA
         yield c
 
 
-def system_and_user(n_turns: int = 1) -> list[dict[str, str]]:
-    window = [{"role": "system", "content": "You are a careful agent."}]
-    for i in range(n_turns):
-        window.append({"role": "user", "content": f"question {i}"})
-    return window
-
-
 @pytest.fixture(params=["sync", "async"])
 def call(request: pytest.FixtureRequest, jiuwen_engine: LocalEngine) -> Iterator[object]:
     from callers import Caller

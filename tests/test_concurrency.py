@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import system_and_user
+from callers import system_and_user
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import LocalEngine

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from callers import Caller
-from conftest import system_and_user
+from callers import Caller, system_and_user
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import LocalEngine

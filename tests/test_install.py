@@ -8,8 +8,7 @@ from typing import Any
 import openai
 import pytest
 import wrapt
-from callers import Caller
-from conftest import system_and_user
+from callers import Caller, system_and_user
 from openai.resources.chat import completions as chat_module
 
 import jiuwen_hooks

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from callers import Caller
-from conftest import system_and_user
+from callers import Caller, system_and_user
 from opentelemetry.trace import SpanKind, StatusCode
 
 import jiuwen_hooks
