@@ -186,12 +186,12 @@ def main() -> int:
             provider.force_flush()
             if collector is not None:
                 say("\n4) Traces")
-                spans = collector.wait_for(
-                    lambda s: any(
-                        x.kind == "SPAN_KIND_SERVER" and x.name == "kv_cache.release" for x in s
-                    ),
-                    timeout=20,
-                )
+
+                def all_arrived(spans: list[Any]) -> bool:
+                    kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
+                    return kinds.count("SPAN_KIND_SERVER") >= kinds.count("SPAN_KIND_CLIENT") > 0
+
+                spans = collector.wait_for(all_arrived, timeout=30)  # the server batches for ~5 s
                 releases = [s for s in spans if s.name == "kv_cache.release"]
                 clients = {s.trace_id for s in releases if s.kind == "SPAN_KIND_CLIENT"}
                 servers = {s.trace_id for s in releases if s.kind == "SPAN_KIND_SERVER"}
