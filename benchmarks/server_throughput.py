@@ -63,11 +63,17 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--cores", default="1,0", help="worker cores: vanilla,plugin")
     parser.add_argument("--out", default="benchmarks/results/server_throughput.json")
     args = parser.parse_args()
+    vanilla_core, plugin_core = args.cores.split(",")
     servers = {
-        "plugin": VLLMServer(plugin=True, num_blocks=args.blocks, api_key="bench", cpu_cores="0"),
-        "vanilla": VLLMServer(plugin=False, num_blocks=args.blocks, api_key="bench", cpu_cores="1"),
+        "plugin": VLLMServer(
+            plugin=True, num_blocks=args.blocks, api_key="bench", cpu_cores=plugin_core
+        ),
+        "vanilla": VLLMServer(
+            plugin=False, num_blocks=args.blocks, api_key="bench", cpu_cores=vanilla_core
+        ),
     }
     rates: dict[str, list[float]] = {"plugin": [], "vanilla": []}
     try:
@@ -92,6 +98,7 @@ def main() -> int:
             k: getattr(args, k) for k in ("sessions", "turns", "concurrency", "max_tokens")
         },
         "blocks": args.blocks,
+        "cores_vanilla_plugin": args.cores,
         "rounds": args.rounds,
         "tokens_per_second": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         "median_tokens_per_second": {k: round(v, 1) for k, v in medians.items()},

@@ -30,7 +30,7 @@ def register() -> None:
 
 
 class AffinityEndpoint:
-    """Endpoint plugin: ``POST /release_kv_cache``, ``GET /affinity/stats``, sharing middleware."""
+    """Endpoint plugin: ``POST /release_kv_cache``, ``GET /affinity/stats``, ``cache_sharing``."""
 
     name = NAME
     required_tasks = ("generate",)

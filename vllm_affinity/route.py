@@ -1,4 +1,5 @@
-"""vLLM adapter, API-server side: ``POST /release_kv_cache`` and ``GET /affinity/stats``.
+"""vLLM adapter, API-server side: ``POST /release_kv_cache``, ``GET /affinity/stats`` and the
+``cache_sharing`` request field.
 
 The release is mapped to blocks exactly: the previous window is rendered by vLLM's own chat
 renderer (same template, same tools) in full and cut at the released indices; the longest common
@@ -13,7 +14,6 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,60 +236,45 @@ def _service(raw: Request) -> ReleaseService:
     return raw.app.state.jiuwen_affinity
 
 
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
+    """``cache_sharing: true`` on a chat/completion request (kept by vLLM among the request's
+    extra fields): drop ``cache_salt`` so identical prefixes are shared across sessions, and keep
+    the session as ``session_id`` (block binding stays per session). ``cache_sharing`` itself
+    is removed either way. When sharing is refused by the server settings, the salt is kept."""
+    extra = request.model_extra
+    if not extra or "cache_sharing" not in extra:
+        return
+    sharing = extra.pop("cache_sharing")
+    salt = request.cache_salt
+    if sharing is True and allow_sharing and isinstance(salt, str) and salt:
+        if not request.session_id:
+            request.session_id = salt
+        request.cache_salt = None
 
 
-class CacheSharingMiddleware:
-    """``cache_sharing: true`` on a chat/completion request: drop ``cache_salt`` so identical
-    prefixes are shared across sessions, and keep the session as ``session_id`` (block binding
-    stays per session). ``cache_sharing`` itself is removed either way (vLLM does not know it).
-    When sharing is refused by the server settings, the salt is kept."""
+_wrapped_serving = False
 
-    PATHS = ("/v1/chat/completions", "/v1/completions")
 
-    def __init__(self, app: ASGIApp, allow_sharing: bool = True) -> None:
-        self.app = app
-        self.allow_sharing = allow_sharing
+def wrap_serving(settings: Settings) -> None:
+    """Thin wrapt patches of vLLM's chat and completion entry methods (API server process only):
+    apply ``cache_sharing`` to the parsed request before vLLM handles it. Idempotent."""
+    global _wrapped_serving
+    if _wrapped_serving:
+        return
+    import wrapt
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.PATHS:
-            return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        if b'"cache_sharing"' in body:
-            body = self._rewrite(body)
-        sent = False
+    def before(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        request = args[0] if args else kwargs["request"]
+        apply_cache_sharing(request, settings.allow_cache_sharing)
+        return wrapped(*args, **kwargs)
 
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        await self.app({**scope, "headers": headers}, replay, send)
-
-    def _rewrite(self, body: bytes) -> bytes:
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return body  # vLLM answers the bad JSON itself
-        if not isinstance(data, dict):
-            return body
-        sharing = data.pop("cache_sharing", None)
-        salt = data.get("cache_salt")
-        if sharing is True and self.allow_sharing and isinstance(salt, str) and salt:
-            del data["cache_salt"]
-            data.setdefault("session_id", salt)
-        return json.dumps(data).encode()
+    wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before)
+    wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
+    _wrapped_serving = True
 
 
 def attach(app: FastAPI, settings: Settings) -> None:
     app.include_router(router)
-    app.add_middleware(CacheSharingMiddleware, allow_sharing=settings.allow_cache_sharing)
+    wrap_serving(settings)

@@ -1,40 +1,39 @@
-"""Pure parts of the API adapter: request validation and the cache-sharing body rewrite."""
+"""Pure parts of the API adapter: request validation and the cache-sharing rewrite."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from vllm_affinity.route import CacheSharingMiddleware, ReleaseRequest
+from vllm_affinity.route import ReleaseRequest, apply_cache_sharing
 from vllm_affinity.settings import Settings
 
 
-def rewrite(body: dict, allow: bool = True) -> dict:
-    middleware = CacheSharingMiddleware(app=None, allow_sharing=allow)  # type: ignore[arg-type]
-    return json.loads(middleware._rewrite(json.dumps(body).encode()))
+def shared(body: dict, allow: bool = True) -> ChatCompletionRequest:
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    )
+    apply_cache_sharing(request, allow)
+    return request
 
 
 def test_sharing_drops_the_salt_and_keeps_the_session() -> None:
-    out = rewrite({"model": "m", "cache_salt": "s1", "cache_sharing": True})
-    assert out == {"model": "m", "session_id": "s1"}
+    request = shared({"cache_salt": "s1", "cache_sharing": True})
+    assert (request.cache_salt, request.session_id) == (None, "s1")
+    assert "cache_sharing" not in (request.model_extra or {})
 
 
 def test_sharing_refused_keeps_the_salt() -> None:
-    out = rewrite({"model": "m", "cache_salt": "s1", "cache_sharing": True}, allow=False)
-    assert out == {"model": "m", "cache_salt": "s1"}
+    request = shared({"cache_salt": "s1", "cache_sharing": True}, allow=False)
+    assert (request.cache_salt, request.session_id) == ("s1", None)
 
 
 def test_no_sharing_keeps_the_salt_and_an_explicit_session_id() -> None:
-    assert rewrite({"cache_salt": "s1", "cache_sharing": False}) == {"cache_salt": "s1"}
-    out = rewrite({"cache_salt": "s1", "cache_sharing": True, "session_id": "explicit"})
-    assert out == {"session_id": "explicit"}
-
-
-def test_non_json_body_is_left_for_vllm() -> None:
-    middleware = CacheSharingMiddleware(app=None)  # type: ignore[arg-type]
-    assert middleware._rewrite(b'{"cache_sharing": tru') == b'{"cache_sharing": tru'
+    assert shared({"cache_salt": "s1", "cache_sharing": False}).cache_salt == "s1"
+    request = shared({"cache_salt": "s1", "cache_sharing": True, "session_id": "explicit"})
+    assert (request.cache_salt, request.session_id) == (None, "explicit")
+    assert shared({"cache_salt": "s1"}).cache_salt == "s1"
 
 
 @pytest.mark.parametrize(
