@@ -166,6 +166,7 @@ def replay(
                 with jiuwen_hooks.session(call.session):
                     stream_call(hooked, call, sides["plugin"])
                 progress(index)
+        hook.flush()  # background releases still in flight
         hook_stats = hook.stats()
     finally:
         jiuwen_hooks.uninstall()
@@ -281,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cores", default=",".join(SIDE_CORES), help="worker cores: vanilla,plugin (default 1,0)"
     )
+    parser.add_argument(
+        "--dispatch", choices=("inline", "background"), default="inline", help="hook dispatch mode"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.quick:
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     fractions = [float(f) for f in args.pools.split(",")]
     result: dict[str, Any] = {
         "trace": {**describe(calls), "config": dataclasses.asdict(config)},
+        "dispatch": args.dispatch,
         "runs": [],
     }
     tokens: list[tuple[int, ...]] | None = None
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (i + 1) % 20 == 0 or i + 1 == len(calls):
                     say(f"  pool {f}x: {i + 1}/{len(calls)} calls replayed on both servers")
 
-            run = replay(calls, vanilla, plugin, progress)
+            run = replay(calls, vanilla, plugin, progress, dispatch=args.dispatch)
         finally:
             vanilla.stop()
             plugin.stop()
@@ -340,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "agent_benchmark_quick" if args.quick else "agent_benchmark"
     if args.cores != ",".join(SIDE_CORES):
         stem += "_cores_" + args.cores.replace(",", "_")
+    if args.dispatch != "inline":
+        stem += "_" + args.dispatch
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out / f"{stem}.png")
