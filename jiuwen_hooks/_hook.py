@@ -129,9 +129,9 @@ class Hook:
     def dispatch(self, plan: ReleasePlan) -> Outcome | None:
         """Send from synchronous code: inline (default) or on a background thread."""
         if self.options.dispatch == "inline":
-            return self._guarded(self.client.send, plan)
+            return self._guarded(plan)
         ctx = contextvars.copy_context()
-        future = self._background().submit(ctx.run, self._guarded, self.client.send, plan)
+        future = self._background().submit(ctx.run, self._guarded, plan)
         self._track(future)
         return None
 
@@ -156,9 +156,9 @@ class Hook:
             await asyncio.gather(*tasks, return_exceptions=True)
         self.flush()
 
-    def _guarded(self, send: Any, plan: ReleasePlan) -> Outcome | None:
+    def _guarded(self, plan: ReleasePlan) -> Outcome | None:
         try:
-            return send(plan)
+            return self.client.send(plan)
         except Exception:  # ReleaseClient already catches transport errors; this is a backstop
             self.telemetry.count("internal_errors")
             self.warnings.warn("internal", "jiuwen_hooks: internal error in release", exc_info=True)

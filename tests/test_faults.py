@@ -138,5 +138,6 @@ def test_background_dispatch_does_not_wait(
             call.run(hook.aflush())
         hook.flush()
         assert jiuwen_hooks.stats()["releases.ok"] == 1
+        assert len(jiuwen_engine.wait_for_releases(1)) == 1
     finally:
         jiuwen_hooks.uninstall()

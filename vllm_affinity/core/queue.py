@@ -256,13 +256,6 @@ class SegmentedFreeBlockQueue:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def segment_blocks(self, segment: Segment) -> list[Block]:
-        out, node, tail = [], self._heads[segment].next_free_block, self._tails[segment]
-        while node is not tail:
-            out.append(node)
-            node = node.next_free_block
-        return out
-
     # -- links --------------------------------------------------------------------------------
     def _segment_index(self, block: Block) -> int:
         if block.prev_free_block is None:
