@@ -31,8 +31,8 @@ def compressor_wrapper(label: str, is_async: bool) -> Callable[..., Any]:
                 messages_in = _messages_argument(args, kwargs)
                 result = await wrapped(*args, **kwargs)
                 hook = _state.installed()
-                if hook is not None and (plan := hook.after_compress(label, messages_in, result)):
-                    await hook.adispatch(plan)
+                if hook is not None:
+                    hook.after_compress(label, messages_in, result)
                 return result
 
             return call()
@@ -43,8 +43,8 @@ def compressor_wrapper(label: str, is_async: bool) -> Callable[..., Any]:
         messages_in = _messages_argument(args, kwargs)
         result = wrapped(*args, **kwargs)
         hook = _state.installed()
-        if hook is not None and (plan := hook.after_compress(label, messages_in, result)):
-            hook.dispatch(plan)
+        if hook is not None:
+            hook.after_compress(label, messages_in, result)
         return result
 
     return wrapper

@@ -1,4 +1,5 @@
-"""Session resolution (spec §4) and salt injection into chat requests.
+"""Session resolution and what a tracked chat request carries: the ``X-Session-ID`` header, the
+in-request release header, and (only when asked for) ``cache_salt`` in the body.
 
 First match wins: explicit ``extra_body["cache_salt"]``; the ``session()`` context (a contextvar,
 so threads and asyncio tasks each keep their own); the ``X-Session-ID`` header; a user resolver.
@@ -15,6 +16,7 @@ from ._options import SessionResolver
 from ._telemetry import logger
 
 SESSION_HEADER = "X-Session-ID"
+RELEASE_HEADER = "X-KV-Release"
 
 _current_session: ContextVar[str | None] = ContextVar("jiuwen_hooks_session", default=None)
 
@@ -69,16 +71,40 @@ def resolve_session(kwargs: dict[str, Any], resolver: SessionResolver | None) ->
 
 
 def with_session(
-    kwargs: dict[str, Any], session_id: str, cache_sharing: bool | None
+    kwargs: dict[str, Any],
+    session_id: str,
+    *,
+    header: bool = True,
+    body: bool = False,
+    cache_sharing: bool | None = None,
+    release: str | None = None,
 ) -> dict[str, Any]:
-    """A copy of ``kwargs`` whose ``extra_body``/``extra_headers`` carry the session, keeping every
-    value the caller already set (the caller's dicts are never mutated)."""
-    body = dict(kwargs["extra_body"]) if isinstance(kwargs.get("extra_body"), Mapping) else {}
-    body.setdefault("cache_salt", session_id)
-    if cache_sharing is not None:
-        body.setdefault("cache_sharing", cache_sharing)
+    """A copy of ``kwargs`` that carries the session (header; body fields only with ``body``) and
+    an in-request release header, keeping every value the caller set (the caller's dicts are never
+    mutated)."""
+    out = dict(kwargs)
+    if body:
+        raw_body = kwargs.get("extra_body")
+        extra_body = dict(raw_body) if isinstance(raw_body, Mapping) else {}
+        extra_body.setdefault("cache_salt", session_id)
+        if cache_sharing is not None:
+            extra_body.setdefault("cache_sharing", cache_sharing)
+        out["extra_body"] = extra_body
     raw_headers = kwargs.get("extra_headers")
     headers = dict(raw_headers) if isinstance(raw_headers, Mapping) else {}
-    if _header(headers, SESSION_HEADER) is None:
+    if header and _header(headers, SESSION_HEADER) is None:
         headers[SESSION_HEADER] = session_id
-    return {**kwargs, "extra_body": body, "extra_headers": headers}
+    if release is not None:
+        headers[RELEASE_HEADER] = release
+    if headers or raw_headers is not None:
+        out["extra_headers"] = headers
+    return out
+
+
+def hashed_with_salt(kwargs: dict[str, Any]) -> bool:
+    """Whether the engine hashes this request's blocks with a ``cache_salt`` (not shared)."""
+    body = kwargs.get("extra_body")
+    if not isinstance(body, Mapping):
+        return False
+    salt = body.get("cache_salt")
+    return isinstance(salt, str) and bool(salt) and body.get("cache_sharing") is not True

@@ -1,5 +1,15 @@
-"""The installed hook: glue between the pure core (session table, diff) and the adapters (openai
-patches, compressor wrappers, release client, telemetry). One instance per ``install()``."""
+"""The installed hook: glue between the pure core (session table, diff, engine directory) and the
+adapters (openai patches, compressor wrappers, release client, telemetry). One per ``install()``.
+
+Where a release found at a model call goes:
+- the engine advertised in-request releases → an ``X-KV-Release`` header on that very chat
+  request (no HTTP of its own);
+- otherwise → ``POST /release_kv_cache`` before the chat request (or on a background thread with
+  ``dispatch="background"``); its answer teaches the engine's state.
+Compressor releases (between model calls) are POSTed on a background thread, which survives the
+short-lived event loops of ``asyncio.run``; the next model call takes over one not sent yet, and
+waits for one on the wire.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +17,19 @@ import asyncio
 import concurrent.futures
 import contextvars
 import threading
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from . import _state
-from ._context import current_session, resolve_session, with_session
-from ._diff import ReleasePolicy, Window, canonical_tools, canonical_window
+from ._context import current_session, hashed_with_salt, resolve_session, with_session
+from ._diff import Release, ReleasePolicy, Window, canonical_tools, canonical_window
+from ._engines import EngineDirectory, EngineState
 from ._options import Options
 from ._patch import Patches
-from ._release import EngineTarget, ReleaseClient, engine_root
-from ._sessions import Decision, ReleasePlan, SessionTable
+from ._release import EngineTarget, ReleaseClient, engine_root, release_attributes
+from ._sessions import CompressorJob, ReleasePlan, SessionTable
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry
 
 
@@ -30,8 +43,18 @@ def _sequence(value: Any) -> list[Any] | tuple[Any, ...] | None:
     return list(value)
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedCall:
+    """What a tracked model call sends, and what must happen before it goes out."""
+
+    kwargs: dict[str, Any]
+    plan: ReleasePlan | None = None  # a release to POST first
+    wait_for: CompressorJob | None = None  # a compressor release on the wire
+
+
 class Hook:
-    """Handle returned by ``install()``: ``stats()``, ``flush()``, ``uninstall()``."""
+    """Handle returned by ``install()``: ``stats()``, ``engines()``, ``flush()``,
+    ``uninstall()``."""
 
     def __init__(self, options: Options, version: str) -> None:
         self.options = options
@@ -41,19 +64,21 @@ class Hook:
             idle_ttl=options.session_ttl,
             policy=ReleasePolicy(options.min_released_messages, options.ignore_trailing_messages),
         )
-        self.client = ReleaseClient(options, self.telemetry)
+        self.directory = EngineDirectory(
+            options.capability_ttl, options.unsupported_cooldown, time.monotonic
+        )
+        self.client = ReleaseClient(options, self.telemetry, self.directory)
         self.warnings = RateLimitedWarnings(options.warning_interval)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: set[concurrent.futures.Future[Any] | asyncio.Task[Any]] = set()
+        self._closed = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
         self.patches: Patches | None = None  # set by install()
 
     # -- model calls --------------------------------------------------------------------------
-    def before_call(
-        self, completions: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[str, Any], ReleasePlan | None] | None:
-        """Resolve the session, diff the window, inject the salt. ``None``: pass through untouched.
-        Never raises: an internal error is logged and the call goes out unchanged."""
+    def before_call(self, completions: Any, kwargs: dict[str, Any]) -> PreparedCall | None:
+        """Resolve the session, diff the window, add the headers. ``None``: pass through
+        untouched. Never raises: an internal error is logged and the call goes out unchanged."""
         try:
             return self._before_call(completions, kwargs)
         except Exception:
@@ -63,9 +88,7 @@ class Hook:
             )
             return None
 
-    def _before_call(
-        self, completions: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[str, Any], ReleasePlan | None] | None:
+    def _before_call(self, completions: Any, kwargs: dict[str, Any]) -> PreparedCall | None:
         session_id = resolve_session(kwargs, self.options.session_resolver)
         if session_id is None:
             return None
@@ -78,83 +101,140 @@ class Hook:
             kwargs = {**kwargs, "messages": messages}
         if tools is not None and tools is not raw_tools:
             kwargs = {**kwargs, "tools": tools}
+        if self.options.session_body:
+            kwargs = with_session(
+                kwargs,
+                session_id,
+                header=False,
+                body=True,
+                cache_sharing=self.options.cache_sharing,
+            )
         window = Window(canonical_window(messages), canonical_tools(tools))
-        target = self._target(completions, kwargs.get("model"))
+        target = self._target(completions, kwargs)
         source = messages if isinstance(messages, list) else None
         decision = self.table.observe(session_id, window, target, source)
         self.telemetry.count("calls.tracked")
-        plan = self._plan(decision)
-        if self.options.inject_session:
-            kwargs = with_session(kwargs, session_id, self.options.cache_sharing)
-        return kwargs, plan
-
-    def _target(self, completions: Any, model: Any) -> EngineTarget:
-        client = getattr(completions, "_client", None)
-        url = self.options.release_url
-        if url is None:
-            base_url = str(getattr(client, "base_url", "") or "")
-            url = engine_root(base_url) + self.options.release_path
-        api_key = getattr(client, "api_key", None)
-        return EngineTarget(url, api_key if isinstance(api_key, str) else None, str(model))
-
-    def _plan(self, decision: Decision) -> ReleasePlan | None:
         if decision.skipped is not None:
             self.telemetry.record_skip(decision.skipped)
-        return decision.plan
+        plan, hint = decision.plan, None
+        release = plan.release if plan is not None else decision.covered
+        state = self._engine_state(target)
+        if release is not None and state is EngineState.IN_REQUEST:
+            hint = release_header(release)
+            self._record_in_request(session_id, release, target, len(window.messages))
+            plan = None
+        if self.options.inject_session or hint is not None:
+            kwargs = with_session(
+                kwargs, session_id, header=self.options.inject_session, release=hint
+            )
+        return PreparedCall(kwargs, plan, decision.wait_for)
+
+    def _target(self, completions: Any, kwargs: dict[str, Any]) -> EngineTarget:
+        client = getattr(completions, "_client", None)
+        root = engine_root(str(getattr(client, "base_url", "") or ""))
+        url = self.options.release_url or root + self.options.release_path
+        api_key = getattr(client, "api_key", None)
+        return EngineTarget(
+            url,
+            api_key if isinstance(api_key, str) else None,
+            str(kwargs.get("model")),
+            root=root,
+            salted=hashed_with_salt(kwargs),
+        )
+
+    def _engine_state(self, target: EngineTarget) -> EngineState:
+        """The engine's learned state; first contact (or an expired state) starts a probe on the
+        background thread, so the fast path is known by the time a release is due."""
+        if not self.options.in_request:
+            return EngineState.UNKNOWN
+        if self.directory.claim_probe(target.root):
+            self._submit(self.client.probe, target.root, target.api_key)
+        return self.directory.state(target.root)
+
+    def _record_in_request(
+        self, session_id: str, release: Release, target: EngineTarget, old_len: int
+    ) -> None:
+        attributes = release_attributes(session_id, release, target, old_len)
+        attributes["jiuwen.release.mode"] = "in_request"
+        attributes["jiuwen.engine.state"] = str(EngineState.IN_REQUEST)
+        self.telemetry.record_in_request(attributes, release.reason)
+
+    def settle(self, prepared: PreparedCall) -> None:
+        """Before a synchronous model call: wait for a compressor release on the wire, POST."""
+        if prepared.wait_for is not None:
+            self._wait(prepared.wait_for)
+        if prepared.plan is not None:
+            self.dispatch(prepared.plan)
+
+    async def asettle(self, prepared: PreparedCall) -> None:
+        if prepared.wait_for is not None and not prepared.wait_for.done.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, self._wait, prepared.wait_for)
+        if prepared.plan is not None:
+            await self.adispatch(prepared.plan)
+
+    def _wait(self, job: CompressorJob) -> None:
+        if not job.done.wait(self.options.timeout):
+            self.telemetry.count("compressor.wait_timeouts")
 
     # -- compressors --------------------------------------------------------------------------
-    def after_compress(self, label: str, messages_in: Any, result: Any) -> ReleasePlan | None:
-        """A compressor returned: diff its output against the last window sent. Never raises."""
+    def after_compress(self, label: str, messages_in: Any, result: Any) -> None:
+        """A compressor returned: diff its output against the last window sent and send the
+        release off the agent's path. Never raises."""
         try:
             output = result if isinstance(result, list | tuple) else messages_in
             if output is None:
-                return None
+                return
             session_id = current_session() or self.table.session_of(messages_in)
             if session_id is None:
                 self.telemetry.count("compressor.untracked")
-                return None
+                return
             self.telemetry.count("compressor.runs")
             decision = self.table.rewrite(
                 session_id, canonical_window(output), f"compressor:{label}"
             )
-            return self._plan(decision)
+            if decision.skipped is not None:
+                self.telemetry.record_skip(decision.skipped)
+            if decision.plan is not None and decision.job is not None:
+                self._submit(self._send_compressor_release, decision.plan, decision.job)
         except Exception:
             self.telemetry.count("internal_errors")
             self.warnings.warn(
                 "internal", "jiuwen_hooks: internal error in compressor hook", exc_info=True
             )
-            return None
+
+    def _send_compressor_release(self, plan: ReleasePlan, job: CompressorJob) -> None:
+        try:
+            if self.table.claim(job):
+                self._guarded(plan)
+            else:
+                self.telemetry.record_release(Outcome("superseded"), plan.release.reason, None)
+        finally:
+            job.done.set()
 
     # -- dispatch -----------------------------------------------------------------------------
     def dispatch(self, plan: ReleasePlan) -> Outcome | None:
-        """Send from synchronous code: inline (default) or on a background thread."""
+        """POST from synchronous code: inline (default) or on the background thread."""
         if self.options.dispatch == "inline":
             return self._guarded(plan)
-        ctx = contextvars.copy_context()
-        future = self._background().submit(ctx.run, self._guarded, plan)
-        self._track(future)
+        self._submit(self._guarded, plan)
         return None
 
     async def adispatch(self, plan: ReleasePlan) -> Outcome | None:
-        """Send from async code: awaited inline (default) or as a background task."""
+        """POST from async code: awaited inline (default) or on the background thread (which,
+        unlike a task, survives the end of a short-lived event loop)."""
         if self.options.dispatch == "inline":
             return await self._aguarded(plan)
-        task = asyncio.get_running_loop().create_task(self._aguarded(plan))
-        self._track(task)
+        self._submit(self._guarded, plan)
         return None
 
     def flush(self, timeout: float | None = 10.0) -> None:
-        """Wait for background releases started from threads (async tasks: ``await aflush()``)."""
+        """Wait for the releases and probes running on the background thread."""
         with self._lock:
-            futures = [f for f in self._pending if isinstance(f, concurrent.futures.Future)]
+            futures = list(self._pending)
         concurrent.futures.wait(futures, timeout=timeout)
 
     async def aflush(self) -> None:
-        with self._lock:
-            tasks = [t for t in self._pending if isinstance(t, asyncio.Task)]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        self.flush()
+        await asyncio.get_running_loop().run_in_executor(None, self.flush)
 
     def _guarded(self, plan: ReleasePlan) -> Outcome | None:
         try:
@@ -172,23 +252,38 @@ class Hook:
             self.warnings.warn("internal", "jiuwen_hooks: internal error in release", exc_info=True)
             return None
 
-    def _background(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _submit(self, fn: Any, *args: Any) -> None:
+        """Run ``fn`` on the background thread, in the caller's context (trace, session). After
+        ``close()`` nothing is started: a release is counted as dropped, never silently lost."""
+        ctx = contextvars.copy_context()
         with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=2, thread_name_prefix="jiuwen-release"
-                )
-            return self._executor
-
-    def _track(self, job: concurrent.futures.Future[Any] | asyncio.Task[Any]) -> None:
-        with self._lock:
-            self._pending.add(job)
+            if self._closed:
+                future = None
+            else:
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=2, thread_name_prefix="jiuwen-release"
+                    )
+                future = self._executor.submit(ctx.run, fn, *args)
+                self._pending.add(future)
+        if future is None:
+            self._drop(args)
+            return
 
         def done(_: Any) -> None:
             with self._lock:
-                self._pending.discard(job)
+                self._pending.discard(future)
 
-        job.add_done_callback(done)
+        future.add_done_callback(done)
+
+    def _drop(self, args: tuple[Any, ...]) -> None:
+        plan = next((a for a in args if isinstance(a, ReleasePlan)), None)
+        if plan is None:
+            return  # a probe: nothing lost
+        self.telemetry.record_release(Outcome("dropped"), plan.release.reason, None)
+        self.warnings.warn(
+            "dropped", "jiuwen_hooks: release dropped: the hook is uninstalled or closing"
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
     def uninstall(self) -> None:
@@ -198,16 +293,36 @@ class Hook:
         if _state.installed() is self:
             uninstall()
 
-    def stats(self) -> dict[str, int]:
-        counts = self.telemetry.snapshot()
+    def stats(self) -> dict[str, Any]:
+        """Counters (``releases.ok``, ``releases.in_request``, ``skipped.<reason>``, ...) and
+        ``engines``: what each engine root advertised (``unknown``, ``in_request``, ``post``,
+        ``unsupported``)."""
+        counts: dict[str, Any] = dict(self.telemetry.snapshot())
         counts["sessions.tracked"] = len(self.table)
         counts["sessions.evicted"] = self.table.evicted
+        counts["engines"] = self.directory.snapshot()
         return counts
 
+    def engines(self) -> dict[str, str]:
+        """Engine root → learned state."""
+        return self.directory.snapshot()
+
     def close(self) -> None:
+        """Let running background work finish (bounded), then close the HTTP clients."""
         self.flush()
         with self._lock:
+            self._closed = True
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
         self.client.close()
+
+
+def release_header(release: Release) -> str:
+    """The ``X-KV-Release`` value (an RFC 8941 dictionary) for ``release``."""
+    import http_sf
+
+    fields = {"messages_released_index": release.messages_released_index}
+    if release.tools_released_index is not None:
+        fields["tools_released_index"] = release.tools_released_index
+    return http_sf.ser(fields)

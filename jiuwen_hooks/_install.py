@@ -36,9 +36,9 @@ def install(**options: Any) -> Hook:
         try:
             for path in CHAT_METHODS:
                 if path.startswith("Async"):
-                    wrapper = async_chat_wrapper(hook.before_call, hook.adispatch)
+                    wrapper = async_chat_wrapper(hook.before_call, hook.asettle)
                 else:
-                    wrapper = chat_wrapper(hook.before_call, hook.dispatch)
+                    wrapper = chat_wrapper(hook.before_call, hook.settle)
                 patches.wrap(CHAT_MODULE, path, wrapper)
             for dotted in hook.options.compressors:
                 module, attribute = parse_dotted(dotted)

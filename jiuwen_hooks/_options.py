@@ -29,10 +29,20 @@ class Options:
     release_path: str = "/release_kv_cache"
     #: Seconds for the whole release request (connect + response).
     timeout: float = 1.0
-    #: Sent as ``cache_sharing`` on chat and release requests; ``None`` sends nothing.
-    cache_sharing: bool | None = True
-    #: Add ``cache_salt``/``cache_sharing``/``X-Session-ID`` to tracked chat requests.
+    #: Send the session as the ``X-Session-ID`` header of tracked chat requests (no body field).
     inject_session: bool = True
+    #: Also put ``cache_salt`` (and ``cache_sharing``) in tracked chat bodies, for servers of the
+    #: seed contract that bind sessions by salt. Off: strict servers answer 400 to unknown fields,
+    #: and a salt splits vanilla vLLM's prefix cache per session.
+    session_body: bool = False
+    #: Sent as ``cache_sharing`` beside the injected ``cache_salt`` (``session_body``); ``None``
+    #: sends none. Releases always say how the chat requests were hashed.
+    cache_sharing: bool | None = True
+    #: Carry a release on the chat request itself (``X-KV-Release``) where the engine advertises
+    #: it: no extra round trip. Off: always ``POST /release_kv_cache``.
+    in_request: bool = True
+    #: Seconds what an engine advertised is trusted before it is asked again.
+    capability_ttl: float = 300.0
     min_released_messages: int = 1
     ignore_trailing_messages: int = 0
     max_sessions: int = 10_000
@@ -55,6 +65,7 @@ class Options:
             "max_sessions": self.max_sessions >= 1,
             "session_ttl": self.session_ttl > 0,
             "unsupported_cooldown": self.unsupported_cooldown >= 0,
+            "capability_ttl": self.capability_ttl >= 0,
             "warning_interval": self.warning_interval >= 0,
             "dispatch": self.dispatch in ("inline", "background"),
             "release_path": self.release_path.startswith("/"),

@@ -79,8 +79,10 @@ class Patches:
                 )
 
 
-def chat_wrapper(before: Callable[..., Any], dispatch: Callable[..., Any]) -> Wrapper:
-    """Wrapper for the synchronous ``create``/``parse``: release first, then the real call."""
+def chat_wrapper(before: Callable[..., Any], settle: Callable[..., Any]) -> Wrapper:
+    """Wrapper for the synchronous ``create``/``parse``: ``before`` prepares the call (session,
+    diff, headers) and ``settle`` does what must precede it (a POST release, or waiting for a
+    compressor's release on the wire); then the real call."""
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _in_call.get():
@@ -88,20 +90,18 @@ def chat_wrapper(before: Callable[..., Any], dispatch: Callable[..., Any]) -> Wr
         prepared = before(instance, kwargs)
         if prepared is None:
             return wrapped(*args, **kwargs)
-        kwargs, plan = prepared
-        if plan is not None:
-            dispatch(plan)
+        settle(prepared)
         token = _in_call.set(True)
         try:
-            return wrapped(*args, **kwargs)
+            return wrapped(*args, **prepared.kwargs)
         finally:
             _in_call.reset(token)
 
     return wrapper
 
 
-def async_chat_wrapper(before: Callable[..., Any], adispatch: Callable[..., Any]) -> Wrapper:
-    """Wrapper for ``AsyncCompletions.create``/``parse``: the release is awaited before the call."""
+def async_chat_wrapper(before: Callable[..., Any], asettle: Callable[..., Any]) -> Wrapper:
+    """Wrapper for ``AsyncCompletions.create``/``parse``: as ``chat_wrapper``, awaited."""
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _in_call.get():
@@ -111,12 +111,10 @@ def async_chat_wrapper(before: Callable[..., Any], adispatch: Callable[..., Any]
             prepared = before(instance, kwargs)
             if prepared is None:
                 return await wrapped(*args, **kwargs)
-            new_kwargs, plan = prepared
-            if plan is not None:
-                await adispatch(plan)
+            await asettle(prepared)
             token = _in_call.set(True)
             try:
-                return await wrapped(*args, **new_kwargs)
+                return await wrapped(*args, **prepared.kwargs)
             finally:
                 _in_call.reset(token)
 

@@ -1,9 +1,12 @@
-"""HTTP adapter: sends ``POST /release_kv_cache`` (spec §3) and never raises.
+"""HTTP adapter: sends ``POST /release_kv_cache`` and ``GET /affinity/capabilities`` (the
+probe), and never raises.
 
 Separate pooled sync and async httpx clients (one async client per event loop, since httpx
 connection pools are bound to the loop that created them). Every outcome is turned into an
-``Outcome``, counted, and — when it is a failure — logged as a rate-limited warning. An endpoint
-that answers 404/405 is marked unsupported for a cool-down, with a single warning.
+``Outcome``, counted, and — when it is a failure — logged as a rate-limited warning. What each
+answer says about the engine (in-request capable, POST only, unsupported) goes into the
+``EngineDirectory``; an engine that answers 404/405 is left alone for a cool-down, with a single
+warning.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import Status, StatusCode
 
+from ._diff import Release
+from ._engines import EngineDirectory, EngineState, state_from_capabilities
 from ._options import Options
 from ._sessions import ReleasePlan
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, logger
+
+CAPABILITIES_PATH = "/affinity/capabilities"
 
 _SUPPRESS_KEYS = tuple(
     key
@@ -44,6 +51,11 @@ class EngineTarget:
     url: str
     api_key: str | None
     model: str
+    #: The engine root (base URL without ``/v1``): the key of what the hook learns per engine.
+    root: str = ""
+    #: The chat requests carried a ``cache_salt`` that the engine hashes with (no sharing): the
+    #: release must say so (``cache_sharing: false``) so the engine hashes the same way.
+    salted: bool = False
 
 
 def engine_root(base_url: str) -> str:
@@ -52,16 +64,15 @@ def engine_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-def release_payload(plan: ReleasePlan, cache_sharing: bool | None) -> dict[str, Any]:
+def release_payload(plan: ReleasePlan) -> dict[str, Any]:
     old, release = plan.old, plan.release
     body: dict[str, Any] = {
         "model": plan.target.model,
         "cache_salt": plan.session_id,
+        "cache_sharing": not plan.target.salted,
         "messages": list(old.messages),
         "messages_released_index": release.messages_released_index,
     }
-    if cache_sharing is not None:
-        body["cache_sharing"] = cache_sharing
     if old.tools is not None:
         body["tools"] = list(old.tools)
     if release.tools_released_index is not None:
@@ -72,9 +83,10 @@ def release_payload(plan: ReleasePlan, cache_sharing: bool | None) -> dict[str, 
 class ReleaseClient:
     """Sends releases for one installed hook; owns its httpx clients and the cool-down table."""
 
-    def __init__(self, options: Options, telemetry: Telemetry) -> None:
+    def __init__(self, options: Options, telemetry: Telemetry, engines: EngineDirectory) -> None:
         self._options = options
         self._telemetry = telemetry
+        self.engines = engines
         self._warnings = RateLimitedWarnings(options.warning_interval)
         self._timeout = httpx.Timeout(options.timeout)
         self._sync: httpx.Client | None = None
@@ -82,7 +94,6 @@ class ReleaseClient:
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
-        self._unsupported_until: dict[str, float] = {}
 
     # -- public -------------------------------------------------------------------------------
     def send(self, plan: ReleasePlan) -> Outcome:
@@ -110,6 +121,23 @@ class ReleaseClient:
             except Exception as exc:
                 return attempt.finish(None, exc)
             return attempt.finish(response, None)
+
+    def probe(self, root: str, api_key: str | None) -> EngineState:
+        """``GET {root}/affinity/capabilities`` (synchronous; run off the agent's path). A 200
+        teaches the engine's state; anything else leaves it as it was."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        state: EngineState | None = None
+        missing = False
+        try:
+            with _no_instrumentation():
+                response = self._sync_client().get(root + CAPABILITIES_PATH, headers=headers)
+            missing = response.status_code in (404, 405)
+            if response.status_code == 200:
+                state = state_from_capabilities(response.json())
+        except Exception:  # network errors, non-JSON: nothing learned
+            pass
+        self.engines.probe_answered(root, state, missing)
+        return self.engines.state(root)
 
     def close(self) -> None:
         with self._lock:
@@ -140,8 +168,7 @@ class ReleaseClient:
             return client
 
     def _cooling_down(self, plan: ReleasePlan) -> Outcome | None:
-        until = self._unsupported_until.get(plan.target.url)
-        if until is None or time.monotonic() >= until:
+        if not self.engines.cooling_down(plan.target.root):
             return None
         outcome = Outcome("unsupported")
         self._telemetry.record_release(outcome, plan.release.reason, None)
@@ -150,27 +177,25 @@ class ReleaseClient:
     @contextmanager
     def _attempt(self, plan: ReleasePlan) -> Iterator[_Attempt]:
         """Span around the request, trace context in its headers, other instrumentation off."""
-        with self._telemetry.release_span(span_attributes(plan)) as span:
-            headers = {"Content-Type": "application/json"}
+        attributes = span_attributes(plan)
+        attributes["jiuwen.release.mode"] = "post"
+        attributes["jiuwen.engine.state"] = str(self.engines.state(plan.target.root))
+        with self._telemetry.release_span(attributes) as span:
+            headers = {"Content-Type": "application/json", "X-Session-ID": plan.session_id}
             if plan.target.api_key:
                 headers["Authorization"] = f"Bearer {plan.target.api_key}"
             propagate.inject(headers)
-            ctx = otel_context.get_current()
-            for key in _SUPPRESS_KEYS:
-                ctx = otel_context.set_value(key, True, ctx)
-            token = otel_context.attach(ctx)
-            try:
-                body = release_payload(plan, self._options.cache_sharing)
+            with _no_instrumentation():
+                body = release_payload(plan)
                 yield _Attempt(self, plan, span, headers, body, time.perf_counter())
-            finally:
-                otel_context.detach(token)
 
     def _conclude(self, plan: ReleasePlan, outcome: Outcome) -> None:
-        url = plan.target.url
-        if outcome.status_code in (404, 405):
-            first = url not in self._unsupported_until
-            self._unsupported_until[url] = time.monotonic() + self._options.unsupported_cooldown
-            if first:
+        url, root = plan.target.url, plan.target.root
+        if outcome.ok:
+            self.engines.learn(root, outcome.engine_state or EngineState.POST)
+        elif outcome.status_code in (404, 405):
+            previous = self.engines.learn(root, EngineState.UNSUPPORTED)
+            if previous is not EngineState.UNSUPPORTED:
                 logger.warning(
                     "jiuwen_hooks: %s answered %d; KV-cache release is not supported there "
                     "(is the vllm_affinity plugin loaded?). Not retrying for %.0f s.",
@@ -186,6 +211,19 @@ class ReleaseClient:
                 url,
                 detail,
             )
+
+
+@contextmanager
+def _no_instrumentation() -> Iterator[None]:
+    """Our own HTTP requests are not the agent's: HTTP instrumentations stay out of them."""
+    ctx = otel_context.get_current()
+    for key in _SUPPRESS_KEYS:
+        ctx = otel_context.set_value(key, True, ctx)
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 @dataclass(slots=True)
@@ -207,19 +245,26 @@ class _Attempt:
 
 
 def span_attributes(plan: ReleasePlan) -> dict[str, Any]:
-    parts = urlsplit(plan.target.url)
+    attrs = release_attributes(plan.session_id, plan.release, plan.target, len(plan.old.messages))
+    attrs["url.full"] = plan.target.url
+    return attrs
+
+
+def release_attributes(
+    session_id: str, release: Release, target: EngineTarget, old_len: int
+) -> dict[str, Any]:
+    parts = urlsplit(target.url)
     attrs: dict[str, Any] = {
-        "gen_ai.conversation.id": plan.session_id,
-        "gen_ai.request.model": plan.target.model,
-        "jiuwen.release.reason": plan.release.reason,
-        "jiuwen.release.messages_released_index": plan.release.messages_released_index,
-        "jiuwen.release.messages_count": len(plan.old.messages),
+        "gen_ai.conversation.id": session_id,
+        "gen_ai.request.model": target.model,
+        "jiuwen.release.reason": release.reason,
+        "jiuwen.release.messages_released_index": release.messages_released_index,
+        "jiuwen.release.messages_count": old_len,
         "server.address": parts.hostname or "",
         "server.port": parts.port or (443 if parts.scheme == "https" else 80),
-        "url.full": plan.target.url,
     }
-    if plan.release.tools_released_index is not None:
-        attrs["jiuwen.release.tools_released_index"] = plan.release.tools_released_index
+    if release.tools_released_index is not None:
+        attrs["jiuwen.release.tools_released_index"] = release.tools_released_index
     return attrs
 
 
@@ -256,4 +301,5 @@ def classify(response: httpx.Response | None, exc: BaseException | None) -> Outc
             raise ValueError(blocks)
     except Exception:
         return Outcome("invalid_response", status_code=status, error_type="invalid_response")
-    return Outcome("ok", block_released=blocks, status_code=status)
+    engine_state = state_from_capabilities(data.get("capabilities"))
+    return Outcome("ok", block_released=blocks, status_code=status, engine_state=engine_state)

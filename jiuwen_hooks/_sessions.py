@@ -27,12 +27,32 @@ class ReleasePlan:
     target: Any  # opaque to the core: where and how to send (see _release.EngineTarget)
 
 
+@dataclass(slots=True, eq=False)
+class CompressorJob:
+    """A compressor's release, dispatched off the agent's path. Whoever comes first owns it: the
+    background sender (``claim``) or the session's next model call, which then releases the range
+    itself (the job is ``superseded``). ``done`` is set when the sender has finished."""
+
+    claimed: bool = False
+    superseded: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Result of one observation: a plan to send, a reason it was skipped, or neither."""
+    """Result of one observation: a plan to send, a reason it was skipped, or neither.
+
+    ``covered``: a compressor already released this range, so nothing is POSTed, but an engine
+    that takes in-request hints may still get it (idempotent there; it closes the race with a
+    compressor release still on the wire). ``wait_for``: that compressor release is being sent
+    right now; the model call waits for it so it lands before the call allocates.
+    """
 
     plan: ReleasePlan | None = None
     skipped: str | None = None
+    covered: Release | None = None
+    wait_for: CompressorJob | None = None
+    job: CompressorJob | None = None  # set by ``rewrite``: the job that carries ``plan``
 
 
 NOTHING = Decision()
@@ -47,6 +67,8 @@ class _State:
     released_from: int | None = None
     #: The caller's own list object of the last call, to recognise it in a compressor.
     source: Any = field(default=None, repr=False)
+    #: The compressor release of the current window, while it is not sent or being sent.
+    job: CompressorJob | None = None
 
 
 class SessionTable:
@@ -86,10 +108,10 @@ class SessionTable:
                 self._evict_over_limit()
                 return NOTHING
             self._states.move_to_end(session_id)
-            old, released_from = state.window, state.released_from
+            old, released_from, job = state.window, state.released_from, state.job
             self._remember_source(session_id, state.source, source)
             state.window, state.target, state.last_used = window, target, now
-            state.released_from, state.source = None, source
+            state.released_from, state.source, state.job = None, source, None
             release = diff_windows(old, window)
             if release is None:
                 return NOTHING
@@ -98,7 +120,11 @@ class SessionTable:
                 and release.tools_released_index is None
                 and release.messages_released_index >= released_from
             ):
-                return Decision(skipped="already_released")
+                if job is not None and not job.claimed:  # not sent yet: this call takes it over
+                    job.superseded = True
+                    return self._decide(session_id, old, release, target)
+                waiting = job if job is not None and not job.done.is_set() else None
+                return Decision(skipped="already_released", covered=release, wait_for=waiting)
             return self._decide(session_id, old, release, target)
 
     def rewrite(
@@ -125,9 +151,19 @@ class SessionTable:
             ):
                 return Decision(skipped="already_released")
             decision = self._decide(session_id, old, release.relabel(reason), state.target)
-            if decision.plan is not None:
-                state.released_from = release.messages_released_index
-            return decision
+            if decision.plan is None:
+                return decision
+            state.released_from = release.messages_released_index
+            state.job = CompressorJob()
+            return Decision(plan=decision.plan, job=state.job)
+
+    def claim(self, job: CompressorJob) -> bool:
+        """The background sender is about to send ``job``: False if a model call took it over."""
+        with self._lock:
+            if job.superseded:
+                return False
+            job.claimed = True
+            return True
 
     def session_of(self, source: Any) -> str | None:
         """The session whose last model call passed exactly this list object, if any."""

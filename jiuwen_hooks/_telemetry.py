@@ -27,12 +27,16 @@ INSTRUMENTATION_NAME = "jiuwen_hooks"
 class Outcome:
     """How one release request ended. ``outcome`` is a short label used in metrics and stats:
     ``ok``, ``http_<status>``, ``invalid_response``, ``timeout``, ``connect_error``,
-    ``connection_reset``, ``error``, or ``unsupported`` (skipped during a cool-down)."""
+    ``connection_reset``, ``error``, ``unsupported`` (skipped during a cool-down),
+    ``in_request`` (carried on the chat request itself: no HTTP of its own), ``superseded`` (a
+    compressor's release the next model call took over) or ``dropped`` (the hook was closing)."""
 
     outcome: str
     block_released: int | None = None
     status_code: int | None = None
     error_type: str | None = None
+    #: What a 200 answer advertised (``EngineState``), or ``None``.
+    engine_state: Any = None
 
     @property
     def ok(self) -> bool:
@@ -98,6 +102,14 @@ class Telemetry:
             SPAN_NAME, kind=trace.SpanKind.CLIENT, attributes=attributes, record_exception=False
         ) as span:
             yield span
+
+    def record_in_request(self, attributes: dict[str, Any], reason: str) -> None:
+        """A release carried on the chat request: a span of its own (no HTTP), counted."""
+        with self.tracer.start_as_current_span(
+            SPAN_NAME, kind=trace.SpanKind.INTERNAL, attributes=attributes
+        ):
+            pass
+        self.record_release(Outcome("in_request"), reason, None)
 
     def record_release(self, outcome: Outcome, reason: str, duration: float | None) -> None:
         attrs = {"outcome": outcome.outcome, "reason": _reason_family(reason)}

@@ -95,18 +95,43 @@ def test_sdk_message_objects_compare_as_their_wire_form(
     assert jiuwen_engine.releases == []
 
 
-def test_session_is_injected_without_clobbering(call: Caller, jiuwen_engine: LocalEngine) -> None:
-    body = {"top_k": 5, "cache_sharing": False}
+def test_session_rides_in_the_header_only(call: Caller, jiuwen_engine: LocalEngine) -> None:
+    body = {"top_k": 5}
     headers = {"X-Trace": "mine"}
     call(system_and_user(), extra_body=body, extra_headers=headers)
     chat = jiuwen_engine.chats[0]
-    assert chat.body["cache_salt"] == "s"
     assert chat.body["top_k"] == 5
-    assert chat.body["cache_sharing"] is False
+    assert "cache_salt" not in chat.body and "cache_sharing" not in chat.body
     assert chat.headers["x-session-id"] == "s"
     assert chat.headers["x-trace"] == "mine"
-    assert body == {"top_k": 5, "cache_sharing": False}  # the caller's dict is not mutated
+    assert body == {"top_k": 5}  # the caller's dicts are not mutated
     assert headers == {"X-Trace": "mine"}
+
+
+@pytest.mark.parametrize("jiuwen_hook_options", [{"session_body": True}])
+def test_session_body_option_injects_without_clobbering(
+    call: Caller, jiuwen_engine: LocalEngine
+) -> None:
+    body = {"top_k": 5, "cache_sharing": False}
+    call(system_and_user(), extra_body=body)
+    chat = jiuwen_engine.chats[0]
+    assert chat.body["cache_salt"] == "s"
+    assert chat.body["cache_sharing"] is False
+    assert chat.body["top_k"] == 5
+    assert body == {"top_k": 5, "cache_sharing": False}
+
+
+@pytest.mark.parametrize("jiuwen_hook_options", [{"session_body": True}])
+def test_release_says_how_the_chat_requests_were_hashed(
+    call: Caller, jiuwen_engine: LocalEngine
+) -> None:
+    """A salt the engine hashes with (no sharing) must be used by the release too."""
+    window = system_and_user(3)
+    call(window, extra_body={"cache_sharing": False})
+    call(window[:2], extra_body={"cache_sharing": False})
+    call(window, session="shared")
+    call(window[:2], session="shared")
+    assert [r.body["cache_sharing"] for r in jiuwen_engine.releases] == [False, True]
 
 
 def test_explicit_cache_salt_wins_over_context(call: Caller, jiuwen_engine: LocalEngine) -> None:
@@ -122,8 +147,8 @@ def test_session_from_header(call: Caller, jiuwen_engine: LocalEngine) -> None:
     call(window, session=None, extra_headers={"x-session-id": "hdr"})
     call(window[:1], session=None, extra_headers={"x-session-id": "hdr"})
     assert released(jiuwen_engine) == [("hdr", 1, None)]
-    assert jiuwen_engine.chats[0].body["cache_salt"] == "hdr"
-    assert "X-Session-ID" not in jiuwen_engine.chats[0].headers  # header names are lower-cased
+    assert jiuwen_engine.chats[0].headers["x-session-id"] == "hdr"
+    assert "cache_salt" not in jiuwen_engine.chats[0].body
 
 
 def test_no_session_passes_through_untouched(call: Caller, jiuwen_engine: LocalEngine) -> None:

@@ -74,8 +74,11 @@ def test_compressor_release_is_not_repeated_by_next_call() -> None:
     assert (
         t.rewrite("s", W("a", "short", "c").messages, "compressor:c").skipped == "already_released"
     )
+    assert decision.job is not None and t.claim(decision.job)  # the sender took it
     d = t.observe("s", W("a", "short", "c", "d"), None)
     assert d.plan is None and d.skipped == "already_released"
+    assert d.covered is not None and d.covered.messages_released_index == 1
+    assert d.wait_for is decision.job  # still being sent: the call waits for it
     # after that call the snapshot is the new window: a later rewrite releases again
     assert t.observe("s", W("a", "short"), None).plan is not None
 
@@ -111,3 +114,13 @@ def test_session_of_source_list_identity() -> None:
 def test_invalid_size() -> None:
     with pytest.raises(ValueError):
         table(max_sessions=0)
+
+
+def test_next_call_takes_over_an_unsent_compressor_release() -> None:
+    t = table()
+    t.observe("s", W("a", "b", "c"), None)
+    decision = t.rewrite("s", W("a", "short", "c").messages, "compressor:c")
+    assert decision.job is not None
+    d = t.observe("s", W("a", "short", "c", "d"), None)
+    assert d.plan is not None and d.plan.release.messages_released_index == 1
+    assert decision.job.superseded and not t.claim(decision.job)  # the sender stands down

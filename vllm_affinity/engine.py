@@ -4,9 +4,16 @@
 - ``BlockPool.get_new_blocks``: blocks handed out for new content lose their session owners.
 - ``KVCacheManager.allocate_slots`` / ``free`` / ``pop_blocks_for_free``: bind a request's blocks
   (prefix hits and new ones) to its session (``session_id``, else ``cache_salt``).
+- ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
+  request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
+  blocks it releases can serve that very request's allocation.
 - ``EngineCore.affinity_release`` / ``affinity_stats``: called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
   no locking against the scheduler is needed.
+
+Both release paths end in one rule: the session's latest request's blocks from the first one whose
+hash differs from a prompt's block-hash chain (the new request's own, or the rendered cut of the
+old window) are released.
 
 All of vLLM's own method bodies stay untouched.
 """
@@ -19,7 +26,17 @@ from typing import Any
 import wrapt
 
 from .compat import check_supported_vllm
-from .core import ReleaseResult, SegmentedFreeBlockQueue, SessionBlocks
+from .core import (
+    ReleaseResult,
+    ReleaseSelection,
+    SegmentedFreeBlockQueue,
+    SessionBlocks,
+    first_divergent_block,
+)
+from .settings import Settings
+
+#: Key of the in-request hint in ``SamplingParams.extra_args`` (set by the API-server wrap).
+HINT_KEY = "kv_release"
 
 _applied = False
 
@@ -32,6 +49,9 @@ class PoolAffinity:
         self.pool = pool
         self.queue = SegmentedFreeBlockQueue(pool.free_block_queue.get_all_free_blocks())
         pool.free_block_queue = self.queue
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        self._strip_group = get_block_hash
         self.sessions = SessionBlocks()
         self._bound: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -52,22 +72,68 @@ class PoolAffinity:
         self._bound.pop(request_id, None)
 
     def release(
-        self, session: str, first_block: int, prompt_tokens: int | None = None
+        self,
+        session: str,
+        first_block: int,
+        prompt_tokens: int | None = None,
+        mode: str = "post",
     ) -> dict[str, Any]:
         selection = self.sessions.select_release(session, first_block, prompt_tokens)
+        return self._apply(selection, first_block, mode)
+
+    def release_divergent(
+        self, session: str, chain: list[Any], mode: str, require_common_prefix: bool = False
+    ) -> dict[str, Any]:
+        """Release the session's latest blocks from the first one ``chain`` (a prompt's block
+        hashes) cannot hit. ``require_common_prefix``: a chain that shares not even its first
+        block with the session's cache is a different prompt (template, salt), not a cut of it:
+        answer ``record_mismatch`` and release nothing."""
+        record = self.sessions.latest.get(session)
+        if record is None:
+            return self._apply(ReleaseSelection(status="unknown_session"), 0, mode)
+        first = first_divergent_block(
+            (self._hash_of(block_id) for block_id in record.block_ids), chain
+        )
+        if require_common_prefix and first == 0 and chain:
+            return self._apply(ReleaseSelection(status="record_mismatch"), 0, mode)
+        result = self.release(session, first, mode=mode)
+        result["prompt_tokens"] = record.num_prompt_tokens
+        return result
+
+    def _hash_of(self, block_id: int) -> Any:
+        block_hash = self.pool.blocks[block_id].block_hash
+        return None if block_hash is None else self._strip_group(block_hash)
+
+    def _apply(self, selection: ReleaseSelection, first_block: int, mode: str) -> dict[str, Any]:
         results = Counter(self.queue.release(self.pool.blocks[b]) for b in selection.block_ids)
         moved, pending = results[ReleaseResult.MOVED], results[ReleaseResult.PENDING]
         self.counters["releases"] += 1
         self.counters[f"releases_{selection.status}"] += 1
+        self.counters[f"releases_{mode}"] += 1
         self.counters["blocks_moved"] += moved
         self.counters["blocks_pending"] += pending
+        self.counters[f"blocks_released_{mode}"] += moved + pending
         return {
             "status": selection.status,
             "block_released": moved + pending,
             "moved": moved,
             "pending": pending,
             "kept_shared": selection.kept_shared,
+            "first_stale_block": first_block,
         }
+
+    def on_new_request(self, request: Any, release_on_divergence: bool) -> None:
+        """A request entered the scheduler: act on its in-request hint (or, when the server
+        releases on divergence, on any prompt of a known session) before it allocates."""
+        session = _session_of(request)
+        if not session:
+            return
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        if HINT_KEY in extra:
+            self.release_divergent(session, request.block_hashes, "in_request")
+        elif release_on_divergence and session in self.sessions.latest:
+            self.release_divergent(session, request.block_hashes, "divergence")
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -131,6 +197,18 @@ def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             state.request_done(request.request_id)
 
 
+def _make_add_request(settings: Settings) -> Any:
+    def _add_request(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        request = args[0] if args else kwargs["request"]
+        manager = getattr(instance, "kv_cache_manager", None)
+        state = affinity_of(manager.block_pool) if manager is not None else None
+        if state is not None and request.request_id not in instance.requests:
+            state.on_new_request(request, settings.release_on_divergence)
+        return wrapped(*args, **kwargs)
+
+    return _add_request
+
+
 def _engine_state(engine_core: Any) -> PoolAffinity:
     state = affinity_of(engine_core.scheduler.kv_cache_manager.block_pool)
     if state is None:
@@ -143,6 +221,30 @@ def affinity_release(
 ) -> dict[str, Any]:
     """EngineCore utility: release ``session``'s blocks from ``first_block`` on."""
     return _engine_state(self).release(session, int(first_block), prompt_tokens)
+
+
+def affinity_release_prompt(
+    self: Any, session: str, prompt_token_ids: list[int], cache_salt: str | None
+) -> dict[str, Any]:
+    """EngineCore utility for ``POST /release_kv_cache``: ``prompt_token_ids`` is the old window
+    rendered up to the released message. Its block hashes, computed by the engine's own hasher
+    with the salt the chat requests used, are compared with the session's cached blocks."""
+    state = _engine_state(self)
+    hasher = getattr(self, "request_block_hasher", None)
+    if hasher is None:
+        raise RuntimeError("vllm_affinity: prefix caching is disabled on this engine")
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    probe = Request(
+        request_id="vllm-affinity-release",
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=cache_salt,
+        block_hasher=hasher,
+    )
+    return state.release_divergent(session, probe.block_hashes, "post", True)
 
 
 def affinity_stats(self: Any) -> dict[str, Any]:
@@ -158,6 +260,7 @@ def apply_engine_patches() -> None:
     check_supported_vllm()
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
     wrapt.wrap_function_wrapper(BlockPool, "__init__", _block_pool_init)
@@ -165,6 +268,8 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(KVCacheManager, "allocate_slots", _allocate_slots)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
+    wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(Settings.from_env()))
     EngineCore.affinity_release = affinity_release
+    EngineCore.affinity_release_prompt = affinity_release_prompt
     EngineCore.affinity_stats = affinity_stats
     _applied = True

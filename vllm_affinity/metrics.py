@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+RELEASE_MODES = ("post", "in_request", "divergence")
+
 
 class _EngineCollector:
     def __init__(self, metrics: AffinityMetrics) -> None:
@@ -35,14 +37,31 @@ class _EngineCollector:
             "Released blocks handed out again for new content",
             labels=["engine"],
         )
+        releases = CounterMetricFamily(
+            "vllm_affinity_engine_releases",
+            "Releases carried out in the engine, by path: post (/release_kv_cache), in_request "
+            "(X-KV-Release), divergence (VLLM_AFFINITY_RELEASE_ON_DIVERGENCE)",
+            labels=["mode", "engine"],
+        )
+        released = CounterMetricFamily(
+            "vllm_affinity_engine_blocks_released",
+            "Blocks released in the engine (moved or pending), by path",
+            labels=["mode", "engine"],
+        )
         for index, stats in enumerate(engines):
+            engine = str(index)
             for segment, count in stats["segments"].items():
-                blocks.add_metric([segment, str(index)], count)
-            pending.add_metric([str(index)], stats["pending"])
-            reused.add_metric([str(index)], stats["released_reused"])
+                blocks.add_metric([segment, engine], count)
+            pending.add_metric([engine], stats["pending"])
+            reused.add_metric([engine], stats["released_reused"])
+            for mode in RELEASE_MODES:
+                releases.add_metric([mode, engine], stats.get(f"releases_{mode}", 0))
+                released.add_metric([mode, engine], stats.get(f"blocks_released_{mode}", 0))
         yield blocks
         yield pending
         yield reused
+        yield releases
+        yield released
 
 
 class AffinityMetrics:
@@ -60,6 +79,12 @@ class AffinityMetrics:
             "KV blocks released (moved or pending)",
             registry=registry,
         )
+        self._hints = Counter(
+            "vllm_affinity_release_hints",
+            "In-request release hints (X-KV-Release) by outcome: accepted or invalid (400)",
+            ["outcome"],
+            registry=registry,
+        )
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()
         self._lock = threading.Lock()
@@ -74,6 +99,11 @@ class AffinityMetrics:
         self._blocks.inc(n)
         with self._lock:
             self._counts["blocks_released"] += n
+
+    def count_hint(self, outcome: str) -> None:
+        self._hints.labels(outcome=outcome).inc()
+        with self._lock:
+            self._counts[f"hints.{outcome}"] += 1
 
     def update_engine_stats(self, engines: list[dict[str, Any]]) -> None:
         with self._lock:

@@ -38,11 +38,16 @@ class AffinityEndpoint:
     def __init__(self) -> None:
         self.settings = Settings.from_env()
         self._refresh: asyncio.Task[None] | None = None
+        self._metrics: Any = None  # AffinityMetrics, once init_state ran
 
     def attach_router(self, app: Any) -> None:
         from .route import attach
 
-        attach(app, self.settings)
+        attach(app, self.settings, self._count_hint)
+
+    def _count_hint(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.count_hint(outcome)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         if engine_client is None:
@@ -63,6 +68,7 @@ class AffinityEndpoint:
             settings=self.settings,
             metrics=AffinityMetrics(),
         )
+        self._metrics = service.metrics
         state.jiuwen_affinity = service
         self._refresh = asyncio.get_running_loop().create_task(self._refresh_stats(service))
         logger.info(

@@ -1,10 +1,13 @@
-"""vLLM adapter, API-server side: ``POST /release_kv_cache``, ``GET /affinity/stats`` and the
-``cache_sharing`` request field.
+"""vLLM adapter, API-server side: ``POST /release_kv_cache``, ``GET /affinity/stats``,
+``GET /affinity/capabilities``, and two request extensions read by a wrap of vLLM's serving
+methods: the ``cache_sharing`` body field and the ``X-KV-Release`` in-request hint.
 
-The release is mapped to blocks exactly: the previous window is rendered by vLLM's own chat
-renderer (same template, same tools) in full and cut at the released indices; the longest common
-prefix of the two token lists is the first stale token; ``t // block_size`` the first stale block.
-The engine core (every data-parallel engine) then moves the session's blocks from there on.
+A POSTed release is mapped to blocks exactly with one render: the previous window, cut at the
+released indices, is rendered by vLLM's own chat renderer (same template, same tools); the engine
+core (every data-parallel engine) hashes those tokens with its own block hasher and releases the
+session's cached blocks from the first one whose hash differs. An in-request hint needs no render
+at all: it rides to the engine core on the request (``sampling_params.extra_args``), where the
+request's own block hashes are compared (see ``engine.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +26,26 @@ from fastapi.responses import JSONResponse
 from opentelemetry import propagate, trace
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .core import common_prefix_length, first_stale_block
+from ._version import plugin_version
+from .core import HintError, ReleaseHint
+from .core.hint import HEADER as HINT_HEADER
+from .engine import HINT_KEY
 from .metrics import AffinityMetrics
 from .settings import Settings
 
 logger = logging.getLogger("vllm_affinity")
 tracer = trace.get_tracer("vllm_affinity")
 router = APIRouter()
+
+#: What ``GET /affinity/capabilities`` and every ``/release_kv_cache`` 200 answer advertise; the
+#: hook switches an engine to in-request releases when it sees ``in_request_release``.
+CAPABILITIES: dict[str, Any] = {
+    "plugin": "vllm_affinity",
+    "release_kv_cache": True,
+    "in_request_release": True,
+    "release_header": HINT_HEADER,
+    "session_header": "X-Session-ID",
+}
 
 
 class ReleaseRequest(BaseModel):
@@ -105,7 +122,7 @@ class ReleaseService:
                 span.set_attribute("error.type", str(exc.status))
                 span.set_attribute("http.response.status_code", exc.status)
                 return error_response(exc.status, exc.message, exc.kind)
-            for key in ("block_released", "first_stale_token", "first_stale_block"):
+            for key in ("block_released", "first_stale_block"):
                 span.set_attribute(f"jiuwen.release.{key}", result[key])
             span.set_attribute("http.response.status_code", 200)
         self.metrics.count_request(result["status"])
@@ -136,42 +153,43 @@ class ReleaseService:
         if self.engine_client.errored:
             raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
         started = time.perf_counter()
-        full = await self._render(request, request.messages, request.tools)
-        if len(full) > self.max_model_len:
+        cut = await self._render_cut(request)
+        if len(cut) > self.max_model_len:
             raise ReleaseError(
                 400,
-                f"the rendered window has {len(full)} tokens, over max_model_len "
+                f"the rendered window has {len(cut)} tokens, over max_model_len "
                 f"{self.max_model_len}",
             )
-        first_stale_token = await self._first_stale_token(request, full)
-        block = first_stale_block(first_stale_token, self.block_size)
         rendered = time.perf_counter()
-        results = await self._call_engines("affinity_release", request.cache_salt, block, len(full))
+        salt = None if self._shares_cache(request) else request.cache_salt
+        results = await self._call_engines("affinity_release_prompt", request.cache_salt, cut, salt)
         done = time.perf_counter()
-        merged: dict[str, Any] = {
+        return {
             "cache_salt": request.cache_salt,
             "block_released": sum(r["block_released"] for r in results),
             "moved": sum(r["moved"] for r in results),
             "pending": sum(r["pending"] for r in results),
             "kept_shared": sum(r["kept_shared"] for r in results),
             "status": _merge_status(r["status"] for r in results),
-            "first_stale_token": first_stale_token,
-            "first_stale_block": block,
-            "prompt_tokens": len(full),
+            "first_stale_block": min(r["first_stale_block"] for r in results),
+            "prompt_tokens": max(r.get("prompt_tokens", 0) for r in results),
             "render_ms": round((rendered - started) * 1e3, 3),
             "engine_ms": round((done - rendered) * 1e3, 3),
+            "capabilities": CAPABILITIES,
         }
-        return merged
 
-    async def _first_stale_token(self, request: ReleaseRequest, full: list[int]) -> int:
+    def _shares_cache(self, request: ReleaseRequest) -> bool:
+        """Whether the session's chat requests were hashed without their salt."""
+        return bool(request.cache_sharing) and self.settings.allow_cache_sharing
+
+    async def _render_cut(self, request: ReleaseRequest) -> list[int]:
+        """Tokens of the old window up to the released message (and tool): what is still valid.
+        Index 0 releases everything (the template may not render an empty conversation)."""
         k, j = request.messages_released_index, request.tools_released_index
-        tools = request.tools if j is None else (request.tools or [])[:j]
-        if k == len(request.messages) and j is None:
-            return len(full)  # only what followed the window (the reply) is stale
         if k == 0:
-            return 0  # the template may not render an empty conversation
-        cut = await self._render(request, request.messages[:k], tools or None)
-        return common_prefix_length(full, cut)
+            return []
+        tools = request.tools if j is None else (request.tools or [])[:j]
+        return await self._render(request, request.messages[:k], tools or None)
 
     async def _render(
         self, request: ReleaseRequest, messages: list[dict[str, Any]], tools: list[Any] | None
@@ -221,6 +239,14 @@ async def release_kv_cache(raw: Request) -> JSONResponse:
     return await _service(raw).handle(raw)
 
 
+@router.get("/affinity/capabilities")
+async def affinity_capabilities(raw: Request) -> JSONResponse:
+    service = _service(raw)
+    if service.api_tokens and not service._authorised(raw):
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    return JSONResponse({**CAPABILITIES, "version": plugin_version()})
+
+
 @router.get("/affinity/stats")
 async def affinity_stats(raw: Request) -> JSONResponse:
     service = _service(raw)
@@ -252,12 +278,25 @@ def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
         request.cache_salt = None
 
 
+def apply_release_hint(request: Any, raw_request: Any) -> ReleaseHint | None:
+    """Carry a valid ``X-KV-Release`` hint to the engine core in ``vllm_xargs`` (which vLLM
+    passes on as ``sampling_params.extra_args``). Raises ``HintError`` for a malformed value."""
+    headers = getattr(raw_request, "headers", None)
+    value = headers.get(HINT_HEADER) if headers is not None else None
+    if value is None:
+        return None
+    hint = ReleaseHint.parse(value)
+    request.vllm_xargs = {**(request.vllm_xargs or {}), HINT_KEY: hint.header_value()}
+    return hint
+
+
 _wrapped_serving = False
 
 
-def wrap_serving(settings: Settings) -> None:
+def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
     """Thin wrapt patches of vLLM's chat and completion entry methods (API server process only):
-    apply ``cache_sharing`` to the parsed request before vLLM handles it. Idempotent."""
+    apply ``cache_sharing`` and the in-request hint to the parsed request before vLLM handles it.
+    A malformed hint is answered with vLLM's own 400 error. Idempotent."""
     global _wrapped_serving
     if _wrapped_serving:
         return
@@ -267,7 +306,16 @@ def wrap_serving(settings: Settings) -> None:
 
     def before(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         request = args[0] if args else kwargs["request"]
+        raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         apply_cache_sharing(request, settings.allow_cache_sharing)
+        try:
+            hint = apply_release_hint(request, raw_request)
+        except HintError as exc:
+            count_hint("invalid")
+            return _hint_error(instance, str(exc))
+        if hint is not None:
+            count_hint("accepted")
+            _hint_span(raw_request, hint)
         return wrapped(*args, **kwargs)
 
     wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before)
@@ -275,6 +323,28 @@ def wrap_serving(settings: Settings) -> None:
     _wrapped_serving = True
 
 
-def attach(app: FastAPI, settings: Settings) -> None:
+async def _hint_error(serving: Any, message: str) -> Any:
+    return serving.create_error_response(message)
+
+
+def _hint_span(raw_request: Any, hint: ReleaseHint) -> None:
+    """A short span per in-request release, joined to the caller's trace when it sent one; the
+    blocks it released are counted in the engine (``/affinity/stats``, ``/metrics``)."""
+    headers = getattr(raw_request, "headers", None)
+    ctx = propagate.extract(dict(headers)) if headers is not None else None
+    attributes: dict[str, Any] = {
+        "jiuwen.release.mode": "in_request",
+        "jiuwen.release.messages_released_index": hint.messages_released_index,
+    }
+    if hint.tools_released_index is not None:
+        attributes["jiuwen.release.tools_released_index"] = hint.tools_released_index
+    session = headers.get("X-Session-ID") if headers is not None else None
+    if session:
+        attributes["gen_ai.conversation.id"] = session
+    span = tracer.start_span("kv_cache.release", context=ctx, attributes=attributes)
+    span.end()
+
+
+def attach(app: FastAPI, settings: Settings, count_hint: Callable[[str], None]) -> None:
     app.include_router(router)
-    wrap_serving(settings)
+    wrap_serving(settings, count_hint)

@@ -4,7 +4,10 @@ process, which command-line flags of the plugin would not)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -16,19 +19,34 @@ class Settings:
     allow_cache_sharing: bool = True
     #: Seconds between refreshes of the segment gauges on /metrics.
     stats_interval: float = 2.0
+    #: Release a session's diverging blocks on every request of a known session, hinted or not
+    #: (for clients that cannot send ``X-KV-Release``). Off by default: a session that branches
+    #: (parallel samples, retries from an earlier turn, sub-agents sharing one id) would release
+    #: the blocks of a branch it is about to continue.
+    release_on_divergence: bool = False
 
     @classmethod
-    def from_env(cls) -> Settings:
-        sharing = os.environ.get("VLLM_AFFINITY_CACHE_SHARING", "allow").strip().lower()
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        sharing = env.get("VLLM_AFFINITY_CACHE_SHARING", "allow").strip().lower()
         if sharing not in ("allow", "refuse"):
             raise ValueError(
                 f"VLLM_AFFINITY_CACHE_SHARING={sharing!r}: expected 'allow' or 'refuse'"
             )
-        interval = os.environ.get("VLLM_AFFINITY_STATS_INTERVAL", "2")
+        interval = env.get("VLLM_AFFINITY_STATS_INTERVAL", "2")
         try:
             seconds = float(interval)
         except ValueError:
             raise ValueError(
                 f"VLLM_AFFINITY_STATS_INTERVAL={interval!r}: expected seconds"
             ) from None
-        return cls(allow_cache_sharing=sharing == "allow", stats_interval=seconds)
+        divergence = env.get("VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", "0").strip().lower()
+        if divergence not in _TRUE + _FALSE:
+            raise ValueError(
+                f"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE={divergence!r}: expected true or false"
+            )
+        return cls(
+            allow_cache_sharing=sharing == "allow",
+            stats_interval=seconds,
+            release_on_divergence=divergence in _TRUE,
+        )

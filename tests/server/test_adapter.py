@@ -60,6 +60,7 @@ def test_release_moves_stale_blocks_including_generated_ones() -> None:
         "moved": 3,
         "pending": 0,
         "kept_shared": 0,
+        "first_stale_block": 2,
     }
     sizes = state.queue.segment_sizes()
     assert sizes["released"] == 3 and sizes["normal"] == 2

@@ -39,10 +39,10 @@ def make_manager(num_blocks: int, block_size: int = BLOCK) -> KVCacheManager:
 
 
 def make_request(tokens: list[int], session: str | None = None, **kw: Any) -> Request:
+    kw.setdefault("sampling_params", SamplingParams(max_tokens=16))
     return Request(
         request_id=f"r{next(_ids)}",
         prompt_token_ids=tokens,
-        sampling_params=SamplingParams(max_tokens=16),
         pooling_params=None,
         block_hasher=_hasher,
         session_id=session,

@@ -1,15 +1,19 @@
 """Pure core of the server plugin: no vLLM import, no I/O."""
 
+from .hint import HintError, ReleaseHint
 from .queue import ReleaseResult, Segment, SegmentedFreeBlockQueue
 from .sessions import ReleaseSelection, SessionBlocks
-from .tokens import common_prefix_length, first_stale_block
+from .tokens import common_prefix_length, first_divergent_block, first_stale_block
 
 __all__ = [
+    "HintError",
+    "ReleaseHint",
     "ReleaseResult",
     "ReleaseSelection",
     "Segment",
     "SegmentedFreeBlockQueue",
     "SessionBlocks",
     "common_prefix_length",
+    "first_divergent_block",
     "first_stale_block",
 ]

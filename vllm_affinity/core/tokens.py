@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -20,3 +20,16 @@ def first_stale_block(first_stale_token: int, block_size: int) -> int:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     return first_stale_token // block_size
+
+
+def first_divergent_block(cached: Iterable[Hashable | None], chain: Sequence[Hashable]) -> int:
+    """Index of the first of a session's cached blocks that a prompt with block-hash chain
+    ``chain`` cannot hit: the first whose hash is missing (uncached, partial or reused), differs
+    from the chain at the same index, or lies beyond it. Hash chains are prefix-closed, so every
+    later block is stale too. Exact whatever the chat template does to earlier turns."""
+    count = 0
+    for index, block_hash in enumerate(cached):
+        if block_hash is None or index >= len(chain) or block_hash != chain[index]:
+            return index
+        count = index + 1
+    return count
