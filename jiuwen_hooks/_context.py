@@ -78,10 +78,11 @@ def with_session(
     body: bool = False,
     cache_sharing: bool | None = None,
     release: str | None = None,
+    trace: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A copy of ``kwargs`` that carries the session (header; body fields only with ``body``) and
-    an in-request release header, keeping every value the caller set (the caller's dicts are never
-    mutated)."""
+    an in-request release header with its trace context, keeping every value the caller set (the
+    caller's dicts are never mutated)."""
     out = dict(kwargs)
     if body:
         raw_body = kwargs.get("extra_body")
@@ -96,6 +97,9 @@ def with_session(
         headers[SESSION_HEADER] = session_id
     if release is not None:
         headers[RELEASE_HEADER] = release
+        for name, value in (trace or {}).items():  # joins the server's span to the release's
+            if _header(headers, name) is None:
+                headers[name] = value
     if headers or raw_headers is not None:
         out["extra_headers"] = headers
     return out

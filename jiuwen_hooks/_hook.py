@@ -116,16 +116,20 @@ class Hook:
         self.telemetry.count("calls.tracked")
         if decision.skipped is not None:
             self.telemetry.record_skip(decision.skipped)
-        plan, hint = decision.plan, None
+        plan, hint, trace_headers = decision.plan, None, None
         release = plan.release if plan is not None else decision.covered
         state = self._engine_state(target)
         if release is not None and state is EngineState.IN_REQUEST:
             hint = release_header(release)
-            self._record_in_request(session_id, release, target, len(window.messages))
+            trace_headers = self._record_in_request(session_id, release, target, len(old(plan)))
             plan = None
         if self.options.inject_session or hint is not None:
             kwargs = with_session(
-                kwargs, session_id, header=self.options.inject_session, release=hint
+                kwargs,
+                session_id,
+                header=self.options.inject_session,
+                release=hint,
+                trace=trace_headers,
             )
         return PreparedCall(kwargs, plan, decision.wait_for)
 
@@ -153,11 +157,11 @@ class Hook:
 
     def _record_in_request(
         self, session_id: str, release: Release, target: EngineTarget, old_len: int
-    ) -> None:
+    ) -> dict[str, str]:
         attributes = release_attributes(session_id, release, target, old_len)
         attributes["jiuwen.release.mode"] = "in_request"
         attributes["jiuwen.engine.state"] = str(EngineState.IN_REQUEST)
-        self.telemetry.record_in_request(attributes, release.reason)
+        return self.telemetry.record_in_request(attributes, release.reason)
 
     def settle(self, prepared: PreparedCall) -> None:
         """Before a synchronous model call: wait for a compressor release on the wire, POST."""
@@ -316,6 +320,11 @@ class Hook:
         if executor is not None:
             executor.shutdown(wait=True)
         self.client.close()
+
+
+def old(plan: ReleasePlan | None) -> tuple[Any, ...]:
+    """The previous window's messages (empty for a release covered by a compressor's)."""
+    return plan.old.messages if plan is not None else ()
 
 
 def release_header(release: Release) -> str:

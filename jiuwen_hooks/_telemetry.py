@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import metrics, trace
+from opentelemetry import metrics, propagate, trace
 
 logger = logging.getLogger("jiuwen_hooks")
 
@@ -103,13 +103,16 @@ class Telemetry:
         ) as span:
             yield span
 
-    def record_in_request(self, attributes: dict[str, Any], reason: str) -> None:
-        """A release carried on the chat request: a span of its own (no HTTP), counted."""
+    def record_in_request(self, attributes: dict[str, Any], reason: str) -> dict[str, str]:
+        """A release carried on the chat request: a span of its own, counted. Returns the W3C
+        trace-context headers that join the server's span to it."""
+        carrier: dict[str, str] = {}
         with self.tracer.start_as_current_span(
-            SPAN_NAME, kind=trace.SpanKind.INTERNAL, attributes=attributes
+            SPAN_NAME, kind=trace.SpanKind.CLIENT, attributes=attributes
         ):
-            pass
+            propagate.inject(carrier)
         self.record_release(Outcome("in_request"), reason, None)
+        return carrier
 
     def record_release(self, outcome: Outcome, reason: str, duration: float | None) -> None:
         attrs = {"outcome": outcome.outcome, "reason": _reason_family(reason)}

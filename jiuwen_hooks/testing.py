@@ -3,7 +3,10 @@
 ``LocalEngine`` is a real HTTP server on loopback that speaks enough of the OpenAI API for the
 ``openai`` client (``/v1/chat/completions``, streamed or not; ``/v1/models``) and serves
 ``/release_kv_cache``, recording every request. Its release answer can be switched to any status,
-a non-JSON body, a slow answer, or a connection reset mid-response.
+a non-JSON body, a slow answer, or a connection reset mid-response. ``strict=True`` answers 400 to
+any chat field outside the OpenAI API (as the OpenAI API and several gateways do);
+``in_request=True`` advertises in-request releases like the vllm_affinity plugin (on
+``GET /affinity/capabilities`` and in release answers) and records the ``X-KV-Release`` hints.
 
 ``TelemetryCapture`` holds an in-memory span exporter and metric reader (needs the OTel SDK:
 ``pip install 'jiuwen-kv-affinity[otel]'``).
@@ -41,6 +44,48 @@ class ReleaseAnswer:
     block_released: int | None = None
 
 
+#: Chat-completion body fields of the OpenAI API (what a strict server accepts).
+OPENAI_CHAT_FIELDS = frozenset(
+    [
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "messages",
+        "metadata",
+        "modalities",
+        "model",
+        "n",
+        "parallel_tool_calls",
+        "prediction",
+        "presence_penalty",
+        "prompt_cache_key",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "seed",
+        "service_tier",
+        "stop",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "user",
+        "verbosity",
+        "web_search_options",
+    ]
+)
+CAPABILITIES = {"plugin": "local", "release_kv_cache": True, "in_request_release": True}
+
+
 @dataclass
 class _Records:
     releases: list[RecordedRequest] = field(default_factory=list)
@@ -48,13 +93,23 @@ class _Records:
     paths: list[str] = field(default_factory=list)
     answer: ReleaseAnswer = field(default_factory=ReleaseAnswer)
     lock: threading.Condition = field(default_factory=threading.Condition)
+    strict: bool = False
+    in_request: bool = False
 
 
 class LocalEngine:
     """A recording OpenAI-compatible server on 127.0.0.1 (real sockets, real HTTP)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, reply: str = "ok") -> None:
-        self._records = _Records()
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        reply: str = "ok",
+        *,
+        strict: bool = False,
+        in_request: bool = False,
+    ) -> None:
+        self._records = _Records(strict=strict, in_request=in_request)
         handler = type("_Handler", (_Handler,), {"records": self._records, "reply": reply})
         self._server = _QuietServer((host, port), handler)
         self._thread: threading.Thread | None = None
@@ -102,6 +157,16 @@ class LocalEngine:
     ) -> None:
         with self._records.lock:
             self._records.answer = ReleaseAnswer(status, delay, non_json, reset, block_released)
+
+    def advertise_in_request(self, enabled: bool = True) -> None:
+        """Switch the in-request capability on or off (as when the plugin is deployed/removed)."""
+        with self._records.lock:
+            self._records.in_request = enabled
+
+    @property
+    def hints(self) -> list[str | None]:
+        """The ``X-KV-Release`` header of every chat request (``None`` where absent)."""
+        return [c.headers.get("x-kv-release") for c in self.chats]
 
     @property
     def releases(self) -> list[RecordedRequest]:
@@ -173,15 +238,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
-    def _error(self, status: int, message: str) -> None:
-        body = {
-            "error": {"message": message, "type": "NotFoundError", "param": None, "code": status}
-        }
+    def _error(self, status: int, message: str, kind: str = "NotFoundError") -> None:
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         self._send(status, json.dumps(body).encode())
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, json.dumps({"object": "list", "data": []}).encode())
+        elif self.path == "/affinity/capabilities" and self.records.in_request:
+            self._send(200, json.dumps(CAPABILITIES).encode())
         else:
             self._error(404, "Not Found")
 
@@ -194,7 +259,12 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/chat/completions":
             with self.records.lock:
                 self.records.chats.append(request)
-            self._chat(request)
+            unknown = sorted(set(request.body or {}) - OPENAI_CHAT_FIELDS)
+            if self.records.strict and unknown:
+                message = f"Unrecognized request argument supplied: {', '.join(unknown)}"
+                self._error(400, message, "invalid_request_error")
+            else:
+                self._chat(request)
         else:
             self._error(404, "Not Found")
 
@@ -229,10 +299,13 @@ class _Handler(BaseHTTPRequestHandler):
             blocks = max(
                 0, len(body.get("messages") or []) - int(body.get("messages_released_index") or 0)
             )
-        self._send(
-            200,
-            json.dumps({"cache_salt": body.get("cache_salt"), "block_released": blocks}).encode(),
-        )
+        answer_body: dict[str, Any] = {
+            "cache_salt": body.get("cache_salt"),
+            "block_released": blocks,
+        }
+        if self.records.in_request:
+            answer_body["capabilities"] = CAPABILITIES
+        self._send(200, json.dumps(answer_body).encode())
 
     def _chat(self, request: RecordedRequest) -> None:
         body = request.body if isinstance(request.body, dict) else {}

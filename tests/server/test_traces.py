@@ -18,6 +18,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_client_and_server_release_spans_share_a_trace() -> None:
+    """Both paths: a POSTed release (``in_request=False``) and an in-request one, whose trace
+    context rides on the chat request with the hint."""
     with OtlpCollector() as collector:
         server = VLLMServer(
             plugin=True,
@@ -30,33 +32,36 @@ def test_client_and_server_release_spans_share_a_trace() -> None:
         exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         with server:
-            jiuwen_hooks.uninstall()
-            jiuwen_hooks.install(tracer_provider=provider)
-            try:
-                with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
-                    window = [
-                        {"role": "system", "content": "You are a weather bot. " * 20},
-                        {"role": "user", "content": "Paris? " * 40},
-                    ]
-                    with jiuwen_hooks.session("traced"):
-                        client.chat.completions.create(
-                            model=SERVED_NAME, messages=window, max_tokens=2
-                        )
-                        client.chat.completions.create(
-                            model=SERVED_NAME, messages=window[:1], max_tokens=2
-                        )
-            finally:
+            for in_request in (False, True):
                 jiuwen_hooks.uninstall()
-                provider.shutdown()
+                hook = jiuwen_hooks.install(tracer_provider=provider, in_request=in_request)
+                try:
+                    rewrite_once(server, hook, f"traced-{in_request}")
+                finally:
+                    jiuwen_hooks.uninstall()
+            provider.shutdown()
 
             def both(spans: list) -> bool:
-                kinds = {s.kind for s in spans if s.name == "kv_cache.release"}
-                return {"SPAN_KIND_CLIENT", "SPAN_KIND_SERVER"} <= kinds
+                kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
+                return kinds.count("SPAN_KIND_CLIENT") == kinds.count("SPAN_KIND_SERVER") == 2
 
             spans = collector.wait_for(both, timeout=40)
     releases = [s for s in spans if s.name == "kv_cache.release"]
-    (client_span,) = [s for s in releases if s.kind == "SPAN_KIND_CLIENT"]
-    (server_span,) = [s for s in releases if s.kind == "SPAN_KIND_SERVER"]
-    assert client_span.service == "agent"
-    assert server_span.trace_id == client_span.trace_id
-    assert server_span.parent_id == client_span.span_id
+    clients = [s for s in releases if s.kind == "SPAN_KIND_CLIENT"]
+    servers = {s.trace_id: s for s in releases if s.kind == "SPAN_KIND_SERVER"}
+    assert len(clients) == len(servers) == 2
+    for client_span in clients:
+        assert client_span.service == "agent"
+        assert servers[client_span.trace_id].parent_id == client_span.span_id
+
+
+def rewrite_once(server: VLLMServer, hook: jiuwen_hooks.Hook, session: str) -> None:
+    with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+        window = [
+            {"role": "system", "content": "You are a weather bot. " * 20},
+            {"role": "user", "content": "Paris? " * 40},
+        ]
+        with jiuwen_hooks.session(session):
+            client.chat.completions.create(model=SERVED_NAME, messages=window, max_tokens=2)
+            hook.flush()  # the capability probe
+            client.chat.completions.create(model=SERVED_NAME, messages=window[:1], max_tokens=2)

@@ -1,0 +1,199 @@
+"""The hook's fast path and neutrality, through the real openai client against real loopback
+servers: an engine that advertises in-request releases gets them on the chat request itself (no
+POST); one that does not keeps getting POSTs; a strict OpenAI-style server never sees a field it
+does not know."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from callers import Caller, system_and_user
+
+import jiuwen_hooks
+from jiuwen_hooks.testing import LocalEngine, TelemetryCapture
+
+
+@pytest.fixture
+def plugin_engine() -> Iterator[LocalEngine]:
+    with LocalEngine(in_request=True) as engine:
+        yield engine
+
+
+@pytest.fixture
+def strict_engine() -> Iterator[LocalEngine]:
+    with LocalEngine(strict=True) as engine:
+        yield engine
+
+
+def caller_for(engine: LocalEngine, mode: str) -> Caller:
+    return Caller(mode, engine.base_url)
+
+
+@pytest.fixture(params=["sync", "async"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def learned(hook: jiuwen_hooks.Hook, engine: LocalEngine) -> str:
+    hook.flush()  # the probe runs on the background thread
+    return hook.engines()[engine.root_url]
+
+
+def test_strict_server_never_fails_a_call(
+    strict_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, mode: str
+) -> None:
+    call = caller_for(strict_engine, mode)
+    try:
+        window = system_and_user(4)
+        for n in (4, 3, 5, 2):  # appends, truncations, rewrites
+            window = [*window[:n], *system_and_user(6)[n:]][: max(n, 2)]
+            call(window)
+        window[1] = {"role": "user", "content": "rewritten"}
+        call(window, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    finally:
+        call.close()
+    statuses = [c.body.keys() for c in strict_engine.chats]
+    assert len(statuses) == 5
+    assert all("cache_salt" not in keys and "cache_sharing" not in keys for keys in statuses)
+    assert all(c.headers["x-session-id"] == "s" for c in strict_engine.chats)
+    assert all(hint is None for hint in strict_engine.hints)  # not a plugin engine
+
+
+def test_strict_server_rejects_what_the_old_default_sent(strict_engine: LocalEngine) -> None:
+    """The strict server is strict: body fields are refused (what users met before)."""
+    import openai
+
+    client = openai.OpenAI(base_url=strict_engine.base_url, api_key="k", max_retries=0)
+    with client, pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(
+            model="m", messages=system_and_user(), extra_body={"cache_salt": "s"}
+        )
+
+
+def test_in_request_release_rides_on_the_chat_request(
+    plugin_engine: LocalEngine,
+    jiuwen_hook: jiuwen_hooks.Hook,
+    jiuwen_telemetry: TelemetryCapture,
+    mode: str,
+) -> None:
+    call = caller_for(plugin_engine, mode)
+    try:
+        window = system_and_user(4)
+        call(window)
+        assert learned(jiuwen_hook, plugin_engine) == "in_request"
+        window[2] = {"role": "user", "content": "[Old tool result content cleared]"}
+        call(window)
+        call(window[:2], tools=[{"type": "function", "function": {"name": "f"}}])
+    finally:
+        call.close()
+    assert plugin_engine.releases == []  # no POST at all
+    assert plugin_engine.hints == [
+        None,
+        "messages_released_index=2",
+        "messages_released_index=2, tools_released_index=0",
+    ]
+    stats = jiuwen_hooks.stats()
+    assert stats["releases.in_request"] == 2
+    assert stats["engines"] == {plugin_engine.root_url: "in_request"}
+    spans = jiuwen_telemetry.spans("kv_cache.release")
+    assert [s.attributes["jiuwen.release.mode"] for s in spans] == ["in_request"] * 2
+    assert spans[0].attributes["jiuwen.release.messages_released_index"] == 2
+    assert jiuwen_telemetry.metric_sum("jiuwen.kv_release.requests", outcome="in_request") == 2
+
+
+def test_first_release_goes_as_post_and_its_answer_teaches_the_engine(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, mode: str
+) -> None:
+    """A release due before the probe answered is POSTed; the 200 advertises the fast path."""
+    call = caller_for(plugin_engine, mode)
+    gate = __import__("threading").Event()
+    for _ in range(2):  # hold the background thread: the probe cannot run yet
+        jiuwen_hook._submit(gate.wait, 5)
+    try:
+        window = system_and_user(4)
+        call(window)
+        call(window[:3])
+        assert jiuwen_hook.engines()[plugin_engine.root_url] == "in_request"
+        call(window[:2])
+    finally:
+        gate.set()
+        call.close()
+    assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [3]
+    assert plugin_engine.hints[-1] == "messages_released_index=2"
+
+
+def test_post_only_engine_keeps_getting_posts(
+    jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, mode: str
+) -> None:
+    call = caller_for(jiuwen_engine, mode)
+    try:
+        window = system_and_user(5)
+        for n in (5, 4, 3, 2):
+            call(window[:n])
+    finally:
+        call.close()
+    assert [r.body["messages_released_index"] for r in jiuwen_engine.releases] == [4, 3, 2]
+    assert all(r.headers["x-session-id"] == "s" for r in jiuwen_engine.releases)
+    assert jiuwen_engine.hints == [None] * 4
+    assert learned(jiuwen_hook, jiuwen_engine) == "post"
+
+
+@pytest.mark.parametrize("jiuwen_hook_options", [{"capability_ttl": 0}])
+def test_engine_that_drops_the_plugin_goes_back_to_posts(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+) -> None:
+    call = caller_for(plugin_engine, "sync")
+    try:
+        window = system_and_user(4)
+        call(window)
+        assert learned(jiuwen_hook, plugin_engine) == "in_request"
+        plugin_engine.advertise_in_request(False)
+        call(window[:3])  # still in-request (state in force); re-probes: route gone
+        assert learned(jiuwen_hook, plugin_engine) == "unknown"
+        call(window[:2])
+    finally:
+        call.close()
+    assert plugin_engine.hints[1] == "messages_released_index=3"
+    assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [2]
+
+
+@pytest.mark.parametrize("jiuwen_hook_options", [{"in_request": False}])
+def test_in_request_can_be_turned_off(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+) -> None:
+    call = caller_for(plugin_engine, "sync")
+    try:
+        window = system_and_user(3)
+        call(window)
+        call(window[:2])
+    finally:
+        call.close()
+    assert len(plugin_engine.releases) == 1
+    assert plugin_engine.hints == [None, None]
+
+
+def test_compressor_release_is_posted_and_the_next_call_carries_the_hint(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+) -> None:
+    """The compressor's POST may still be on the wire when the agent calls the model; the hint
+    on that call closes the race (the engine's release is idempotent)."""
+
+    @jiuwen_hooks.compressor(name="trim")
+    def trim(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages[:2]
+
+    call = caller_for(plugin_engine, "sync")
+    try:
+        window = system_and_user(4)
+        call(window)
+        jiuwen_hook.flush()
+        with jiuwen_hooks.session("s"):
+            window = trim(window)
+        jiuwen_hook.flush()
+        call([*window, {"role": "user", "content": "go on"}])
+    finally:
+        call.close()
+    assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [2]
+    assert plugin_engine.hints == [None, "messages_released_index=2"]
