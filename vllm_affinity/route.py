@@ -184,9 +184,13 @@ class ReleaseService:
 
     async def _render_cut(self, request: ReleaseRequest) -> list[int]:
         """Tokens of the old window up to the released message (and tool): what is still valid.
-        Index 0 releases everything (the template may not render an empty conversation)."""
+        The whole window is validated (vLLM's request model, no render). Index 0 releases
+        everything: only the first message is rendered, to check the model and the template
+        (a template may not render an empty conversation)."""
         k, j = request.messages_released_index, request.tools_released_index
+        _chat_request(request, request.messages, request.tools)
         if k == 0:
+            await self._render(request, request.messages[:1], None)
             return []
         tools = request.tools if j is None else (request.tools or [])[:j]
         return await self._render(request, request.messages[:k], tools or None)
@@ -194,14 +198,7 @@ class ReleaseService:
     async def _render(
         self, request: ReleaseRequest, messages: list[dict[str, Any]], tools: list[Any] | None
     ) -> list[int]:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        try:
-            chat = ChatCompletionRequest(model=request.model, messages=messages, tools=tools)
-        except ValidationError as exc:
-            raise ReleaseError(
-                400, f"invalid messages or tools: {exc.errors()[0]['msg']}"
-            ) from None
+        chat = _chat_request(request, messages, tools)
         try:
             rendered = await self.serving_chat.render_chat_request(chat)
         except ValueError as exc:  # template errors surface as ValueError
@@ -227,6 +224,18 @@ class ReleaseService:
         engines = await self._call_engines("affinity_stats")
         self.metrics.update_engine_stats(engines)
         return {"engines": engines, "api_server": self.metrics.api_counts()}
+
+
+def _chat_request(
+    request: ReleaseRequest, messages: list[dict[str, Any]], tools: list[Any] | None
+) -> Any:
+    """vLLM's own chat request model over ``messages``/``tools``: a 400 when malformed."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    try:
+        return ChatCompletionRequest(model=request.model, messages=messages, tools=tools)
+    except ValidationError as exc:
+        raise ReleaseError(400, f"invalid messages or tools: {exc.errors()[0]['msg']}") from None
 
 
 def _merge_status(statuses: Any) -> str:

@@ -96,9 +96,9 @@ def test_in_request_release_is_exact_and_costs_no_round_trip(
     rng = random.Random(7)
     window = [
         {"role": "system", "content": "You are agent 7."},
-        {"role": "user", "content": filler_text(rng, 150)},
-        {"role": "assistant", "content": f"<think>{filler_text(rng, 150)}</think>done"},
-        {"role": "tool", "tool_call_id": "c1", "content": filler_text(rng, 150)},
+        {"role": "user", "content": filler_text(rng, 100)},
+        {"role": "assistant", "content": f"<think>{filler_text(rng, 100)}</think>done"},
+        {"role": "tool", "tool_call_id": "c1", "content": filler_text(rng, 100)},
     ]
     extra = {"chat_template": DROPS_REASONING, "ignore_eos": True}
     with client_of(server) as client, jiuwen_hooks.session("in-request-exact"):
@@ -189,15 +189,16 @@ def test_sessions_sharing_a_system_prompt_hit_alike_with_and_without_the_hook(
     server_name: str, request: pytest.FixtureRequest
 ) -> None:
     """Six sessions share a long system prompt. The hook (header only) must not change the hit
-    rate; the old default (a ``cache_salt`` per session) is measured too, to show the test can
-    tell."""
+    rate. The old default (a ``cache_salt`` per session, with ``cache_sharing``) is measured too:
+    it splits vanilla's cache per session (which shows the test can tell), while the plugin
+    honours ``cache_sharing``."""
     server: VLLMServer = request.getfixturevalue(server_name)
     jiuwen_hooks.uninstall()
     rates = {}
     for seed, mode in enumerate(("no hook", "hook", "hook + session_body")):
         if mode != "no hook":
             jiuwen_hooks.install(session_body=mode == "hook + session_body")
-        system = filler_text(random.Random(1000 + seed), 300)
+        system = f"{seed} " + filler_text(random.Random(1000), 300)  # same length each run
         queries, hits = prefix_cache(server)
         try:
             with client_of(server) as client:
@@ -214,9 +215,13 @@ def test_sessions_sharing_a_system_prompt_hit_alike_with_and_without_the_hook(
             jiuwen_hooks.uninstall()
         queries_after, hits_after = prefix_cache(server)
         rates[mode] = (hits_after - hits) / (queries_after - queries)
+    print(f"prefix-cache hit rate on {server_name}: {rates}")
     assert rates["no hook"] > 0.7, rates
     assert abs(rates["hook"] - rates["no hook"]) <= 0.01, rates
-    assert rates["hook + session_body"] < rates["no hook"] - 0.3, rates
+    if server_name == "vllm_vanilla_server":
+        assert rates["hook + session_body"] < rates["no hook"] - 0.3, rates
+    else:
+        assert abs(rates["hook + session_body"] - rates["no hook"]) <= 0.01, rates
 
 
 def test_seed_contract_client_still_works(vllm_affinity_server: VLLMServer) -> None:
