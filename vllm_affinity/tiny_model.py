@@ -5,7 +5,11 @@ with random weights (hit rates and latencies do not depend on weight values; the
 is gibberish), a byte-level BPE tokenizer trained locally with ``tokenizers``, and a Jinja chat
 template that renders tools and tool calls. Built once into a cache folder, then reused.
 
-    python -m vllm_affinity.tiny_model [--out DIR]      # prints the model folder
+    python -m vllm_affinity.tiny_model [--out DIR] [--size tiny|heavy]   # prints the folder
+
+``tiny`` (the default: ~3M parameters) keeps tests fast; ``heavy`` (~30M parameters, same
+tokenizer and template) makes prefill cost what it costs on real hardware relative to the rest of
+a request (a 2k-token prefill takes a few hundred ms on one core here), for benchmarks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from pathlib import Path
 #: Bump when the recipe changes, so cached builds are rebuilt.
 RECIPE_VERSION = 2
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "tiny-llama"
+HEAVY_DIR = DEFAULT_DIR.with_name("heavy-llama")
+
+#: Network shapes by size: hidden, intermediate, layers, attention heads, KV heads.
+SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (256, 512, 2, 4, 2),
+    "heavy": (512, 1536, 8, 8, 4),
+}
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
@@ -102,10 +113,25 @@ def _corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     return out
 
 
-def build(out_dir: Path = DEFAULT_DIR, vocab_size: int = 4096, max_positions: int = 32768) -> Path:
+def build(
+    out_dir: Path | None = None,
+    vocab_size: int = 4096,
+    max_positions: int = 32768,
+    size: str = "tiny",
+) -> Path:
     """Build (or reuse) the model folder and return its path."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {', '.join(SIZES)}")
+    out_dir = out_dir or (DEFAULT_DIR if size == "tiny" else HEAVY_DIR)
+    hidden, intermediate, layers, heads, kv_heads = SIZES[size]
     stamp = out_dir / "jiuwen-recipe.json"
-    recipe = {"version": RECIPE_VERSION, "vocab_size": vocab_size, "max_positions": max_positions}
+    recipe: dict[str, object] = {
+        "version": RECIPE_VERSION,
+        "vocab_size": vocab_size,
+        "max_positions": max_positions,
+    }
+    if size != "tiny":  # the tiny recipe's stamp stays as it was: no rebuild for existing caches
+        recipe["size"] = size
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return out_dir
 
@@ -138,11 +164,11 @@ def build(out_dir: Path = DEFAULT_DIR, vocab_size: int = 4096, max_positions: in
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
@@ -158,9 +184,10 @@ def build(out_dir: Path = DEFAULT_DIR, vocab_size: int = 4096, max_positions: in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the small local test model.")
-    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args(argv)
-    print(build(args.out))
+    print(build(args.out, size=args.size))
     return 0
 
 
