@@ -4,9 +4,12 @@ For each KV pool size (a fraction of the trace's working set) two servers are st
 way, one with the plugin and one without, and the same agent trace (``agent_trace.py``) is
 replayed on both, call by call interleaved, streamed:
 
-- vanilla: plain chat requests (no salt: vLLM shares identical prefixes across sessions);
-- plugin: the same requests through the installed hook (``cache_sharing: true``, so prefixes
-  are shared too, and the hook releases a session's stale blocks when its window is rewritten).
+- vanilla: plain chat requests (vLLM shares identical prefixes across sessions);
+- plugin: the same requests through the installed hook (the session rides in ``X-Session-ID``,
+  so prefixes are shared too; a rewritten window carries its release in ``X-KV-Release``, or, with
+  ``--release post``, is preceded by ``POST /release_kv_cache``).
+
+The two sides alternate which goes first, call by call.
 
 Measured per side: token hit rate (``/metrics`` deltas), TTFT p50/p90/p99 (first streamed
 chunk), prompt tokens actually computed, end-to-end time. The offline simulator
@@ -15,6 +18,7 @@ and its LRU is compared with the real vanilla hit rate.
 
     python benchmarks/agent_bench.py                       # full sweep (~15 min on 2 cores)
     python benchmarks/agent_bench.py --quick               # the pipeline check CI runs
+    python benchmarks/agent_bench.py --model heavy         # a model whose prefill costs more
 
 Output: ``<out>/agent_benchmark.json``, ``.md`` and ``.png`` (default ``benchmarks/results``).
 """
@@ -38,6 +42,7 @@ from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
 
 import jiuwen_hooks
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
+from vllm_affinity.tiny_model import build as build_model
 
 API_KEY = "bench"
 #: Worker cores of the vanilla and the plugin server: one each, so neither slows the other.
@@ -162,9 +167,17 @@ def replay(
             ) as hooked,
         ):
             for index, call in enumerate(calls):
-                stream_call(plain, call, sides["vanilla"])  # no session: the hook stays out
-                with jiuwen_hooks.session(call.session):
-                    stream_call(hooked, call, sides["plugin"])
+
+                def plugin_side(call: Call = call) -> None:
+                    with jiuwen_hooks.session(call.session):
+                        stream_call(hooked, call, sides["plugin"])
+
+                def vanilla_side(call: Call = call) -> None:
+                    stream_call(plain, call, sides["vanilla"])  # no session: the hook stays out
+
+                order = (vanilla_side, plugin_side) if index % 2 else (plugin_side, vanilla_side)
+                for run_side in order:
+                    run_side()
                 progress(index)
         hook.flush()  # background releases still in flight
         hook_stats = hook.stats()
@@ -174,18 +187,26 @@ def replay(
     for name, server in (("vanilla", vanilla), ("plugin", plugin)):
         hits, queries = prefix_counters(server)
         out[name] = sides[name].summary(hits - before[name][0], queries - before[name][1])
-    out["plugin"]["releases"] = hook_stats.get("releases.ok", 0)
-    out["plugin"]["blocks_released"] = hook_stats.get("blocks_released", 0)
+    out["plugin"]["releases_post"] = hook_stats.get("releases.ok", 0)
+    out["plugin"]["releases_in_request"] = hook_stats.get("releases.in_request", 0)
     (engine,) = plugin.affinity_stats()["engines"]
+    out["plugin"]["blocks_released"] = engine.get("blocks_moved", 0) + engine.get(
+        "blocks_pending", 0
+    )
     out["plugin"]["released_blocks_reused"] = engine["released_reused"]
+    out["ttft_ratio"] = {
+        q: round(out["plugin"][f"ttft_ms_{q}"] / out["vanilla"][f"ttft_ms_{q}"], 3)
+        for q in ("p50", "p90")
+    }
     return out
 
 
 def start_pair(
-    num_blocks: int, max_model_len: int, cores: tuple[str, str] = SIDE_CORES
+    num_blocks: int, max_model_len: int, cores: tuple[str, str] = SIDE_CORES, model: Any = None
 ) -> tuple[VLLMServer, VLLMServer]:
     servers = tuple(
         VLLMServer(
+            model=model,
             plugin=plugin,
             num_blocks=num_blocks,
             max_model_len=max_model_len,
@@ -208,17 +229,22 @@ def start_pair(
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
+        f"Model: {result.get('model', 'tiny')}; plugin-side releases: "
+        f"{result.get('release', 'in_request')}.",
+        "",
         "| pool | blocks | side | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | computed tokens "
-        "| time |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| time | TTFT p50 / p90 ratio |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in result["runs"]:
         for side in ("vanilla", "plugin"):
             s = run[side]
+            ratio = run.get("ttft_ratio", {})
+            ratios = f"{ratio.get('p50')}x / {ratio.get('p90')}x" if side == "plugin" else ""
             lines.append(
                 f"| {run['fraction']}x | {run['num_blocks']} | {side} | {s['hit_rate']:.3f} | "
                 f"{s['ttft_ms_p50']} ms | {s['ttft_ms_p90']} ms | {s['ttft_ms_p99']} ms | "
-                f"{s['computed_tokens']:,} | {s['end_to_end_s']} s |"
+                f"{s['computed_tokens']:,} | {s['end_to_end_s']} s | {ratios} |"
             )
     lines += [
         "",
@@ -285,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dispatch", choices=("inline", "background"), default="inline", help="hook dispatch mode"
     )
+    parser.add_argument(
+        "--release",
+        choices=("in_request", "post"),
+        default="in_request",
+        help="plugin side: releases on the chat request (default) or as POST /release_kv_cache",
+    )
+    parser.add_argument(
+        "--model", choices=("tiny", "heavy"), default="tiny", help="model size (see tiny_model)"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.quick:
@@ -295,17 +330,21 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     calls = generate(config)
     say(f"trace: {json.dumps(describe(calls))}")
+    say(f"building the {args.model} model ...")
+    model = build_model(size=args.model)
     fractions = [float(f) for f in args.pools.split(",")]
     result: dict[str, Any] = {
         "trace": {**describe(calls), "config": dataclasses.asdict(config)},
         "dispatch": args.dispatch,
+        "release": args.release,
+        "model": args.model,
         "runs": [],
     }
     tokens: list[tuple[int, ...]] | None = None
     for fraction in fractions:
         if tokens is None:  # tokenise with vLLM's renderer on a roomy server, once
             say("starting a server to tokenise the trace with vLLM's renderer ...")
-            with VLLMServer(plugin=False, num_blocks=512, api_key=API_KEY) as server:
+            with VLLMServer(model=model, plugin=False, num_blocks=512, api_key=API_KEY) as server:
                 tokens = tokenize(server, calls)
             requests = [Request(c.session, t) for c, t in zip(calls, tokens, strict=True)]
             ws = working_set(requests, BLOCK_SIZE)
@@ -315,14 +354,23 @@ def main(argv: list[str] | None = None) -> int:
         capacity = max(math.ceil(fraction * ws), -(-(longest + MAX_TOKENS) // BLOCK_SIZE) + 1)
         max_model_len = min(capacity * BLOCK_SIZE, 32768)
         say(f"pool {fraction}x: {capacity} usable blocks; starting vanilla and plugin servers ...")
-        vanilla, plugin = start_pair(capacity + 1, max_model_len, tuple(args.cores.split(",")))
+        vanilla, plugin = start_pair(
+            capacity + 1, max_model_len, tuple(args.cores.split(",")), model
+        )
         try:
 
             def progress(i: int, f: float = fraction) -> None:
                 if (i + 1) % 20 == 0 or i + 1 == len(calls):
                     say(f"  pool {f}x: {i + 1}/{len(calls)} calls replayed on both servers")
 
-            run = replay(calls, vanilla, plugin, progress, dispatch=args.dispatch)
+            run = replay(
+                calls,
+                vanilla,
+                plugin,
+                progress,
+                dispatch=args.dispatch,
+                in_request=args.release == "in_request",
+            )
         finally:
             vanilla.stop()
             plugin.stop()
@@ -337,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"].append(run)
         say(
             f"pool {fraction}x: hit rate vanilla {run['vanilla']['hit_rate']} vs plugin "
-            f"{run['plugin']['hit_rate']}; TTFT p90 {run['vanilla']['ttft_ms_p90']} vs "
+            f"{run['plugin']['hit_rate']}; TTFT p50 {run['vanilla']['ttft_ms_p50']} vs "
+            f"{run['plugin']['ttft_ms_p50']} ms, p90 {run['vanilla']['ttft_ms_p90']} vs "
             f"{run['plugin']['ttft_ms_p90']} ms"
         )
     out = Path(args.out)
@@ -347,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         stem += "_cores_" + args.cores.replace(",", "_")
     if args.dispatch != "inline":
         stem += "_" + args.dispatch
+    if args.release != "in_request":
+        stem += "_" + args.release
+    if args.model != "tiny":
+        stem += "_" + args.model
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out / f"{stem}.png")

@@ -1,10 +1,17 @@
-"""Release handling latency for windows of about 1k, 8k and 32k tokens.
+"""Release handling latency for windows of about 1k, 8k and 32k tokens, on both paths.
 
-One server with the plugin (32k context). For each size a session sends its window once (so its
-blocks are cached), then ``POST /release_kv_cache`` for a rewrite at the middle message is timed
-end to end over HTTP, several times (the first moves blocks, the rest find nothing left: the
-rendering and engine round trip cost the same). The server's own split (``render_ms``: the two
-chat-template renders and tokenisations; ``engine_ms``: the engine-core call) is reported too.
+One server with the plugin (32k context). For each size:
+
+- POST: a session sends its window once (so its blocks are cached), then
+  ``POST /release_kv_cache`` for a rewrite at the middle message is timed end to end over HTTP,
+  several times (the first moves blocks, the rest find nothing left: the rendering and engine
+  round trip cost the same). The server's own split is reported: ``render_ms`` (one
+  chat-template render and tokenisation of the window cut at the released message) and
+  ``engine_ms`` (the engine-core call: hashing the cut, comparing with the session's blocks).
+- in-request: another session sends the same window, then the rewritten window with
+  ``X-KV-Release``; the engine's own time for that release (``release_us_in_request``, spent in
+  the engine core before the request is scheduled) is read from ``/affinity/stats``. There is no
+  extra HTTP request and no render.
 
     python benchmarks/release_latency.py [--repeats 7]
 """
@@ -41,6 +48,41 @@ def build_window(target_tokens: int, seed: int) -> list[dict[str, Any]]:
             message["tool_call_id"] = f"c{i}"
         window.append(message)
     return window
+
+
+def engine_counters(server: VLLMServer) -> dict[str, Any]:
+    (stats,) = server.affinity_stats()["engines"]
+    return stats
+
+
+def in_request_release(
+    server: VLLMServer, client: openai.OpenAI, label: str, window: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The same rewrite as the POST, carried on the next chat request instead."""
+    session = f"latency-in-request-{label}"
+    headers = {"X-Session-ID": session}
+    client.chat.completions.create(
+        model=SERVED_NAME, messages=window, max_tokens=1, extra_headers=headers
+    )
+    middle = len(window) // 2
+    rewritten = [*window[:middle], {"role": "user", "content": "[summary]"}]
+    before = engine_counters(server)
+    client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=rewritten,
+        max_tokens=1,
+        extra_headers={**headers, "X-KV-Release": f"messages_released_index={middle}"},
+    )
+    after = engine_counters(server)
+
+    def grew(key: str) -> int:
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("releases_in_request") == 1, (before, after)
+    return {
+        "in_request_engine_us": grew("release_us_in_request"),
+        "in_request_block_released": grew("blocks_released_in_request"),
+    }
 
 
 def main() -> int:
@@ -83,7 +125,9 @@ def main() -> int:
                 renders.append(data["render_ms"])
                 engines.append(data["engine_ms"])
                 released.append(data["block_released"])
+            in_request = in_request_release(server, client, label, window)
             results[label] = {
+                **in_request,
                 "prompt_tokens": reply.usage.prompt_tokens,
                 "prefill_s": round(prefill, 3),
                 "release_ms_p50": round(statistics.median(latencies) * 1e3, 2),

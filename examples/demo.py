@@ -73,20 +73,27 @@ def engine_stats(server: VLLMServer) -> dict[str, Any]:
     return stats
 
 
-def part_weather(plugin: VLLMServer, spans: InMemorySpanExporter) -> None:
+def part_weather(plugin: VLLMServer, spans: InMemorySpanExporter, hook: Any) -> None:
     say("\n1) The weather agent (3 rounds, then micro-compaction) on the plugin server")
     with openai.OpenAI(base_url=plugin.base_url, api_key=API_KEY, max_retries=0) as client:
         run_weather_agent(client, SERVED_NAME, "weather-1", lambda t: say(t))
+    hook.flush()  # the compressor's release is sent off the agent's path
     for span in spans.get_finished_spans():
         a = span.attributes or {}
         if span.name == "kv_cache.release":
+            blocks = a.get("jiuwen.release.block_released")
             say(
-                f"  release: session={a.get('gen_ai.conversation.id')} "
+                f"  release ({a.get('jiuwen.release.mode')}): "
+                f"session={a.get('gen_ai.conversation.id')} "
                 f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
-                f"reason={a.get('jiuwen.release.reason')} "
-                f"block_released={a.get('jiuwen.release.block_released')}"
+                f"reason={a.get('jiuwen.release.reason')}"
+                + (f" block_released={blocks}" if blocks is not None else " (on the chat request)")
             )
-    say(f"  server free-queue segments: {engine_stats(plugin)['segments']}")
+    stats = engine_stats(plugin)
+    say(f"  engine: {stats.get('releases_post', 0)} POSTed and "
+        f"{stats.get('releases_in_request', 0)} in-request releases so far; "
+        f"free-queue segments {stats['segments']}")  # fmt: skip
+    say(f"  the hook learned: {hook.engines()}")
 
 
 def part_squeeze(plugin: VLLMServer, vanilla: VLLMServer) -> None:
@@ -129,7 +136,8 @@ def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider:
             f"  {side:<8} {r['hit_rate']:>8.3f} {r['ttft_ms_p50']:>8.0f} ms "
             f"{r['ttft_ms_p90']:>7.0f} ms {r['computed_tokens']:>12,}"
         )
-    say(f"  the hook sent {result['plugin']['releases']} releases freeing "
+    say(f"  the hook sent {result['plugin']['releases_in_request']} releases on the chat requests "
+        f"themselves ({result['plugin']['releases_post']} as POST), freeing "
         f"{result['plugin']['blocks_released']} blocks")  # fmt: skip
 
 
@@ -176,10 +184,10 @@ def main() -> int:
             for server in (plugin, vanilla):
                 server.wait_healthy()
             say(f"  logs: {plugin.log_path}, {vanilla.log_path}")
-            jiuwen_hooks.install(tracer_provider=provider)
+            hook = jiuwen_hooks.install(tracer_provider=provider)
             stack.callback(jiuwen_hooks.uninstall)
 
-            part_weather(plugin, memory)
+            part_weather(plugin, memory, hook)
             part_squeeze(plugin, vanilla)
             part_multi_session(plugin, vanilla, provider)
 

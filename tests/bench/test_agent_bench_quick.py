@@ -20,8 +20,12 @@ def test_quick_benchmark_pipeline(tmp_path: Path) -> None:
         assert run[side]["ttft_ms_p50"] > 0
         assert run[side]["prompt_tokens"] > run[side]["computed_tokens"] > 0
     assert run["vanilla"]["prompt_tokens"] == run["plugin"]["prompt_tokens"]  # same trace
-    assert run["plugin"]["releases"] == sum(result["trace"]["compactions"].values())
+    # every compaction is released on the chat request itself; none needs a POST
+    assert run["plugin"]["releases_in_request"] == sum(result["trace"]["compactions"].values())
+    assert run["plugin"]["releases_post"] == 0
+    assert run["plugin"]["blocks_released"] > 0
+    assert set(run["ttft_ratio"]) == {"p50", "p90"}
     assert set(run["simulated"]) == {"infinite", "lru", "lru_release", "belady"}
     assert abs(run["sim_vs_real_lru"]) < 0.05  # the simulator models vanilla vLLM closely
-    assert (tmp_path / "agent_benchmark_quick.md").read_text().startswith("| pool |")
+    assert "| pool |" in (tmp_path / "agent_benchmark_quick.md").read_text()
     assert (tmp_path / "agent_benchmark_quick.png").read_bytes()[:4] == b"\x89PNG"
