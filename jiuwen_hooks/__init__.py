@@ -5,8 +5,10 @@
     with jiuwen_hooks.session("agent-42"):
         client.chat.completions.create(model=..., messages=window)
 
-Every tracked chat call diffs its window against the session's previous one and, when history
-was rewritten, POSTs ``/release_kv_cache`` first. Nothing here ever raises into the agent.
+Every tracked chat call carries its session in the ``X-Session-ID`` header and diffs its window
+against the session's previous one. When history was rewritten, the release rides on that call
+(``X-KV-Release``) where the engine runs the vllm_affinity plugin, or goes first as
+``POST /release_kv_cache``. Nothing here ever raises into the agent, and no body field is added.
 """
 
 from ._compressor import compressor

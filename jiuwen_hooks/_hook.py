@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import http_sf
+
 from . import _state
 from ._context import current_session, hashed_with_salt, resolve_session, with_session
 from ._diff import Release, ReleasePolicy, Window, canonical_tools, canonical_window
@@ -123,14 +125,8 @@ class Hook:
             hint = release_header(release)
             trace_headers = self._record_in_request(session_id, release, target, len(old(plan)))
             plan = None
-        if self.options.inject_session or hint is not None:
-            kwargs = with_session(
-                kwargs,
-                session_id,
-                header=self.options.inject_session,
-                release=hint,
-                trace=trace_headers,
-            )
+        if self.options.inject_session or hint is not None:  # a hint needs its session
+            kwargs = with_session(kwargs, session_id, release=hint, trace=trace_headers)
         return PreparedCall(kwargs, plan, decision.wait_for)
 
     def _target(self, completions: Any, kwargs: dict[str, Any]) -> EngineTarget:
@@ -329,8 +325,6 @@ def old(plan: ReleasePlan | None) -> tuple[Any, ...]:
 
 def release_header(release: Release) -> str:
     """The ``X-KV-Release`` value (an RFC 8941 dictionary) for ``release``."""
-    import http_sf
-
     fields = {"messages_released_index": release.messages_released_index}
     if release.tools_released_index is not None:
         fields["tools_released_index"] = release.tools_released_index

@@ -22,7 +22,21 @@ REQUIRED = {
         "free",
         "pop_blocks_for_free",
     ),
+    "vllm.v1.core.sched.scheduler.Scheduler": ("add_request",),
+    "vllm.v1.core.kv_cache_utils.KVCacheBlock": ("block_hash",),
+    "vllm.v1.request.Request": ("block_hashes",),
+    "vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat": (
+        "create_chat_completion",
+        "render_chat_request",
+        "create_error_response",
+        "_extract_prompt_components",
+    ),
+    "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion": ("create_completion",),
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest": ("vllm_xargs",),
 }
+
+#: Module-level functions the adapter calls.
+REQUIRED_FUNCTIONS = {"vllm.v1.core.kv_cache_utils": ("get_block_hash",)}
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -56,10 +70,30 @@ def check_supported_vllm() -> str:
     for dotted, methods in REQUIRED.items():
         module_name, _, class_name = dotted.rpartition(".")
         cls = getattr(importlib.import_module(module_name), class_name, None)
-        missing = [m for m in methods if cls is None or not hasattr(cls, m)]
+        missing = [m for m in methods if cls is None or not _has(cls, m)]
         if missing:
             raise UnsupportedVLLMError(
                 f"vllm_affinity: vLLM {found} lacks {dotted}.{', '.join(missing)}; "
                 "this build is not supported."
             )
+    for module_name, functions in REQUIRED_FUNCTIONS.items():
+        module = importlib.import_module(module_name)
+        missing = [f for f in functions if not callable(getattr(module, f, None))]
+        if missing:
+            raise UnsupportedVLLMError(
+                f"vllm_affinity: vLLM {found} lacks {module_name}.{', '.join(missing)}; "
+                "this build is not supported."
+            )
     return found
+
+
+def _has(cls: type, name: str) -> bool:
+    """A method or property of the class, or a field of a pydantic model / dataclass, or an
+    attribute its constructor sets (found in ``__init__``'s code)."""
+    if hasattr(cls, name) or name in getattr(cls, "model_fields", {}):
+        return True
+    if name in getattr(cls, "__dataclass_fields__", {}):
+        return True
+    init = getattr(cls, "__init__", None)
+    code = getattr(init, "__code__", None)
+    return code is not None and name in code.co_names

@@ -252,3 +252,28 @@ def test_seed_contract_client_still_works(vllm_affinity_server: VLLMServer) -> N
     assert result["first_stale_block"] == common_prefix(tokens(server, messages), cut) // BLOCK_SIZE
     assert result["capabilities"]["in_request_release"] is True
     assert server.release(body).json()["block_released"] == 0  # idempotent
+
+
+def test_malformed_hint_gets_vllms_400_and_changes_nothing(
+    vllm_affinity_server: VLLMServer,
+) -> None:
+    server = vllm_affinity_server
+    messages = filler_window(140, 60)
+    headers = {**server.headers(), "X-Session-ID": "bad-hint"}
+    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": 2}
+    url = server.base_url + "/chat/completions"
+    assert httpx.post(url, json=body, headers=headers, timeout=60).status_code == 200
+    before = engine(server)
+    response = httpx.post(
+        url,
+        json=body,
+        headers={**headers, "X-KV-Release": "messages_released_index=-3"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == 400 and "X-KV-Release" in error["message"]
+    after = engine(server)
+    assert after["segments"] == before["segments"]
+    assert grew(before, after, "releases") == 0
+    assert server.metric("vllm_affinity_release_hints_total", outcome="invalid") >= 1

@@ -1,4 +1,5 @@
-"""Pure parts of the API adapter: request validation and the cache-sharing rewrite."""
+"""Pure parts of the API adapter: request validation, the cache-sharing rewrite and the
+in-request hint (on vLLM's own request class)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from vllm_affinity.route import ReleaseRequest, apply_cache_sharing
+from vllm_affinity.core import HintError, ReleaseHint
+from vllm_affinity.engine import HINT_KEY
+from vllm_affinity.route import ReleaseRequest, apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
 
 
@@ -58,3 +61,67 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_AFFINITY_CACHE_SHARING", "sometimes")
     with pytest.raises(ValueError, match="VLLM_AFFINITY_CACHE_SHARING"):
         Settings.from_env()
+
+
+def test_settings_release_on_divergence() -> None:
+    assert Settings.from_env({}).release_on_divergence is False
+    env = {"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "true"}
+    assert Settings.from_env(env).release_on_divergence is True
+    with pytest.raises(ValueError, match="VLLM_AFFINITY_RELEASE_ON_DIVERGENCE"):
+        Settings.from_env({"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "maybe"})
+
+
+class _Raw:
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = headers
+
+
+def test_release_hint_rides_in_vllm_xargs_next_to_the_users() -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": {"a": 1}}
+    )
+    hint = apply_release_hint(
+        request, _Raw({"X-KV-Release": "messages_released_index=4, tools_released_index=0"})
+    )
+    assert hint == ReleaseHint(4, 0)
+    assert request.vllm_xargs == {
+        "a": 1,
+        HINT_KEY: "messages_released_index=4, tools_released_index=0",
+    }
+    params = request.to_sampling_params(8, {})
+    assert params.extra_args[HINT_KEY].startswith("messages_released_index=4")
+    assert apply_release_hint(request, _Raw({})) is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "messages_released_index=-1",
+        "messages_released_index=1.5",
+        "messages_released_index",
+        "tools_released_index=1",
+        "messages_released_index=1, surprise=2",
+        "messages_released_index=1,,",
+        'messages_released_index="3"',
+        "é",
+    ],
+)
+def test_malformed_hint_is_refused_and_changes_nothing(value: str) -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    with pytest.raises(HintError, match="X-KV-Release"):
+        apply_release_hint(request, _Raw({"X-KV-Release": value}))
+    assert request.vllm_xargs is None
+
+
+def test_hint_round_trips_with_the_hooks_serialisation() -> None:
+    from jiuwen_hooks._diff import Release
+    from jiuwen_hooks._hook import release_header
+
+    for release in (Release(0, None, "rewrite"), Release(7, 2, "tools")):
+        parsed = ReleaseHint.parse(release_header(release))
+        assert (parsed.messages_released_index, parsed.tools_released_index) == (
+            release.messages_released_index,
+            release.tools_released_index,
+        )
