@@ -5,6 +5,7 @@ does not know."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,13 +28,23 @@ def strict_engine() -> Iterator[LocalEngine]:
         yield engine
 
 
-def caller_for(engine: LocalEngine, mode: str) -> Caller:
-    return Caller(mode, engine.base_url)
-
-
 @pytest.fixture(params=["sync", "async"])
 def mode(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture
+def plugin_call(plugin_engine: LocalEngine, mode: str) -> Iterator[Caller]:
+    caller = Caller(mode, plugin_engine.base_url)
+    yield caller
+    caller.close()
+
+
+@pytest.fixture
+def strict_call(strict_engine: LocalEngine, mode: str) -> Iterator[Caller]:
+    caller = Caller(mode, strict_engine.base_url)
+    yield caller
+    caller.close()
 
 
 def learned(hook: jiuwen_hooks.Hook, engine: LocalEngine) -> str:
@@ -42,20 +53,15 @@ def learned(hook: jiuwen_hooks.Hook, engine: LocalEngine) -> str:
 
 
 def test_strict_server_never_fails_a_call(
-    strict_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, mode: str
+    strict_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, strict_call: Caller
 ) -> None:
-    call = caller_for(strict_engine, mode)
-    try:
-        window = system_and_user(4)
-        for n in (4, 3, 5, 2):  # appends, truncations, rewrites
-            window = [*window[:n], *system_and_user(6)[n:]][: max(n, 2)]
-            call(window)
-        window[1] = {"role": "user", "content": "rewritten"}
-        call(window, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    finally:
-        call.close()
+    window = system_and_user(6)
+    for n in (3, 5, 2, 4):  # append, truncate, append after a truncation
+        strict_call(window[:n])
+    window[1] = {"role": "user", "content": "rewritten"}
+    strict_call(window, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     statuses = [c.body.keys() for c in strict_engine.chats]
-    assert len(statuses) == 5
+    assert len(statuses) == 5  # every call succeeded
     assert all("cache_salt" not in keys and "cache_sharing" not in keys for keys in statuses)
     assert all(c.headers["x-session-id"] == "s" for c in strict_engine.chats)
     assert all(hint is None for hint in strict_engine.hints)  # not a plugin engine
@@ -76,18 +82,14 @@ def test_in_request_release_rides_on_the_chat_request(
     plugin_engine: LocalEngine,
     jiuwen_hook: jiuwen_hooks.Hook,
     jiuwen_telemetry: TelemetryCapture,
-    mode: str,
+    plugin_call: Caller,
 ) -> None:
-    call = caller_for(plugin_engine, mode)
-    try:
-        window = system_and_user(4)
-        call(window)
-        assert learned(jiuwen_hook, plugin_engine) == "in_request"
-        window[2] = {"role": "user", "content": "[Old tool result content cleared]"}
-        call(window)
-        call(window[:2], tools=[{"type": "function", "function": {"name": "f"}}])
-    finally:
-        call.close()
+    window = system_and_user(4)
+    plugin_call(window)
+    assert learned(jiuwen_hook, plugin_engine) == "in_request"
+    window[2] = {"role": "user", "content": "[Old tool result content cleared]"}
+    plugin_call(window)
+    plugin_call(window[:2], tools=[{"type": "function", "function": {"name": "f"}}])
     assert plugin_engine.releases == []  # no POST at all
     assert plugin_engine.hints == [
         None,
@@ -104,36 +106,30 @@ def test_in_request_release_rides_on_the_chat_request(
 
 
 def test_first_release_goes_as_post_and_its_answer_teaches_the_engine(
-    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, mode: str
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
 ) -> None:
     """A release due before the probe answered is POSTed; the 200 advertises the fast path."""
-    call = caller_for(plugin_engine, mode)
-    gate = __import__("threading").Event()
+    gate = threading.Event()
     for _ in range(2):  # hold the background thread: the probe cannot run yet
         jiuwen_hook._submit(gate.wait, 5)
     try:
         window = system_and_user(4)
-        call(window)
-        call(window[:3])
+        plugin_call(window)
+        plugin_call(window[:3])
         assert jiuwen_hook.engines()[plugin_engine.root_url] == "in_request"
-        call(window[:2])
+        plugin_call(window[:2])
     finally:
         gate.set()
-        call.close()
     assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [3]
     assert plugin_engine.hints[-1] == "messages_released_index=2"
 
 
 def test_post_only_engine_keeps_getting_posts(
-    jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, mode: str
+    call: Caller, jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
 ) -> None:
-    call = caller_for(jiuwen_engine, mode)
-    try:
-        window = system_and_user(5)
-        for n in (5, 4, 3, 2):
-            call(window[:n])
-    finally:
-        call.close()
+    window = system_and_user(5)
+    for n in (5, 4, 3, 2):
+        call(window[:n])
     assert [r.body["messages_released_index"] for r in jiuwen_engine.releases] == [4, 3, 2]
     assert all(r.headers["x-session-id"] == "s" for r in jiuwen_engine.releases)
     assert jiuwen_engine.hints == [None] * 4
@@ -142,40 +138,32 @@ def test_post_only_engine_keeps_getting_posts(
 
 @pytest.mark.parametrize("jiuwen_hook_options", [{"capability_ttl": 0}])
 def test_engine_that_drops_the_plugin_goes_back_to_posts(
-    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
 ) -> None:
-    call = caller_for(plugin_engine, "sync")
-    try:
-        window = system_and_user(4)
-        call(window)
-        assert learned(jiuwen_hook, plugin_engine) == "in_request"
-        plugin_engine.advertise_in_request(False)
-        call(window[:3])  # still in-request (state in force); re-probes: route gone
-        assert learned(jiuwen_hook, plugin_engine) == "unknown"
-        call(window[:2])
-    finally:
-        call.close()
+    window = system_and_user(4)
+    plugin_call(window)
+    assert learned(jiuwen_hook, plugin_engine) == "in_request"
+    plugin_engine.advertise_in_request(False)
+    plugin_call(window[:3])  # still in-request (state in force); re-probes: route gone
+    assert learned(jiuwen_hook, plugin_engine) == "unknown"
+    plugin_call(window[:2])
     assert plugin_engine.hints[1] == "messages_released_index=3"
     assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [2]
 
 
 @pytest.mark.parametrize("jiuwen_hook_options", [{"in_request": False}])
 def test_in_request_can_be_turned_off(
-    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
 ) -> None:
-    call = caller_for(plugin_engine, "sync")
-    try:
-        window = system_and_user(3)
-        call(window)
-        call(window[:2])
-    finally:
-        call.close()
+    window = system_and_user(3)
+    plugin_call(window)
+    plugin_call(window[:2])
     assert len(plugin_engine.releases) == 1
     assert plugin_engine.hints == [None, None]
 
 
 def test_compressor_release_is_posted_and_the_next_call_carries_the_hint(
-    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
 ) -> None:
     """The compressor's POST may still be on the wire when the agent calls the model; the hint
     on that call closes the race (the engine's release is idempotent)."""
@@ -184,16 +172,12 @@ def test_compressor_release_is_posted_and_the_next_call_carries_the_hint(
     def trim(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return messages[:2]
 
-    call = caller_for(plugin_engine, "sync")
-    try:
-        window = system_and_user(4)
-        call(window)
-        jiuwen_hook.flush()
-        with jiuwen_hooks.session("s"):
-            window = trim(window)
-        jiuwen_hook.flush()
-        call([*window, {"role": "user", "content": "go on"}])
-    finally:
-        call.close()
+    window = system_and_user(4)
+    plugin_call(window)
+    jiuwen_hook.flush()
+    with jiuwen_hooks.session("s"):
+        window = trim(window)
+    jiuwen_hook.flush()
+    plugin_call([*window, {"role": "user", "content": "go on"}])
     assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [2]
     assert plugin_engine.hints == [None, "messages_released_index=2"]

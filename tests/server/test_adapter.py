@@ -8,23 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-from vllm_parts import BLOCK, generate, make_manager, make_request, run_prefill
+from vllm_parts import (
+    BLOCK,
+    generate,
+    make_manager,
+    make_request,
+    run_prefill,
+    state_of,
+    tokens,
+)
 
 from vllm_affinity import compat
 from vllm_affinity.core import Segment, SegmentedFreeBlockQueue
-from vllm_affinity.engine import PoolAffinity, affinity_of, apply_engine_patches
+from vllm_affinity.engine import apply_engine_patches
 
 apply_engine_patches()
-
-
-def tokens(start: int, n_blocks: int) -> list[int]:
-    return list(range(start, start + n_blocks * BLOCK))
-
-
-def state_of(manager: Any) -> PoolAffinity:
-    state = affinity_of(manager.block_pool)
-    assert state is not None
-    return state
 
 
 def assert_no_leak(manager: Any) -> None:

@@ -7,24 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
-from vllm_parts import BLOCK, generate, make_manager, make_request, run_prefill
+from vllm_parts import (
+    BLOCK,
+    generate,
+    make_manager,
+    make_request,
+    run_prefill,
+    state_of,
+    tokens,
+)
 
 from vllm_affinity.core import first_divergent_block
-from vllm_affinity.engine import HINT_KEY, PoolAffinity, affinity_of, apply_engine_patches
+from vllm_affinity.engine import HINT_KEY, apply_engine_patches
 
 apply_engine_patches()
 
 HINT = {HINT_KEY: "messages_released_index=3"}
-
-
-def tokens(start: int, n_blocks: int) -> list[int]:
-    return list(range(start, start + n_blocks * BLOCK))
-
-
-def state_of(manager: Any) -> PoolAffinity:
-    state = affinity_of(manager.block_pool)
-    assert state is not None
-    return state
 
 
 def hinted(prompt: list[int], session: str, hint: bool = True) -> Any:

@@ -69,3 +69,17 @@ def generate(manager: KVCacheManager, request: Request, n: int, token: int = 7) 
         manager.allocate_slots(request, 1)
         request.num_computed_tokens += 1
         manager.cache_blocks(request, request.num_computed_tokens)
+
+
+def tokens(start: int, n_blocks: int) -> list[int]:
+    """``n_blocks`` full blocks of distinct tokens from ``start``."""
+    return list(range(start, start + n_blocks * BLOCK))
+
+
+def state_of(manager: KVCacheManager) -> Any:
+    """The plugin's ``PoolAffinity`` of a manager's block pool."""
+    from vllm_affinity.engine import affinity_of
+
+    state = affinity_of(manager.block_pool)
+    assert state is not None
+    return state
