@@ -33,6 +33,7 @@ class CompressorJob:
     background sender (``claim``) or the session's next model call, which then releases the range
     itself (the job is ``superseded``). ``done`` is set when the sender has finished."""
 
+    reason: str = "compressor"  # the compressor's label, kept by a call that takes it over
     claimed: bool = False
     superseded: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -122,7 +123,7 @@ class SessionTable:
             ):
                 if job is not None and not job.claimed:  # not sent yet: this call takes it over
                     job.superseded = True
-                    return self._decide(session_id, old, release, target)
+                    return self._decide(session_id, old, release.relabel(job.reason), target)
                 waiting = job if job is not None and not job.done.is_set() else None
                 return Decision(skipped="already_released", covered=release, wait_for=waiting)
             return self._decide(session_id, old, release, target)
@@ -154,7 +155,7 @@ class SessionTable:
             if decision.plan is None:
                 return decision
             state.released_from = release.messages_released_index
-            state.job = CompressorJob()
+            state.job = CompressorJob(reason)
             return Decision(plan=decision.plan, job=state.job)
 
     def claim(self, job: CompressorJob) -> bool:

@@ -123,4 +123,5 @@ def test_next_call_takes_over_an_unsent_compressor_release() -> None:
     assert decision.job is not None
     d = t.observe("s", W("a", "short", "c", "d"), None)
     assert d.plan is not None and d.plan.release.messages_released_index == 1
+    assert d.plan.release.reason == "compressor:c"  # the label survives the hand-over
     assert decision.job.superseded and not t.claim(decision.job)  # the sender stands down
