@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = stack.enter_context(LocalEngine(reply="(local server)"))
             base_url = engine.base_url
             say(f"Started a local recording server at {engine.root_url} (records releases)")
-        jiuwen_hooks.install(tracer_provider=tracer_provider)
+        hook = jiuwen_hooks.install(tracer_provider=tracer_provider)
         stack.callback(jiuwen_hooks.uninstall)
         client = stack.enter_context(openai.OpenAI(base_url=base_url, api_key=args.api_key))
 
@@ -148,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             say(f"  server free-queue segments now: {segments(server)}")
 
+        hook.flush()  # compressor releases are sent off the agent's path
         say("\nReleases sent (from the client's spans):")
         for span in exporter.get_finished_spans():
             a = span.attributes or {}
             say(
-                f"  {span.name} session={a.get('gen_ai.conversation.id')} "
+                f"  {span.name} ({a.get('jiuwen.release.mode')}) "
+                f"session={a.get('gen_ai.conversation.id')} "
                 f"reason={a.get('jiuwen.release.reason')} "
                 f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
                 f"block_released={a.get('jiuwen.release.block_released')} "
