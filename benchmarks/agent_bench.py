@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -198,7 +199,21 @@ def replay(
         q: round(out["plugin"][f"ttft_ms_{q}"] / out["vanilla"][f"ttft_ms_{q}"], 3)
         for q in ("p50", "p90")
     }
+    out["ttft_paired"] = paired_ratios(sides["vanilla"].ttft, sides["plugin"].ttft)
     return out
+
+
+def paired_ratios(vanilla: list[float], plugin: list[float]) -> dict[str, float]:
+    """Per-call TTFT ratios plugin / vanilla (the same call on both servers, back to back):
+    their median and the 10th-90th percentile spread, and the share of calls faster with the
+    plugin. Robust to the slow drift of a shared machine, which moves both sides of a pair."""
+    ratios = [p / v for v, p in zip(vanilla, plugin, strict=True) if v > 0]
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "p10": round(percentile(ratios, 10), 3),
+        "p90": round(percentile(ratios, 90), 3),
+        "faster_share": round(sum(r < 1 for r in ratios) / len(ratios), 3),
+    }
 
 
 def start_pair(
@@ -233,18 +248,23 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result.get('release', 'in_request')}.",
         "",
         "| pool | blocks | side | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | computed tokens "
-        "| time | TTFT p50 / p90 ratio |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| time | TTFT p50 / p90 ratio | paired per-call ratio: median [p10, p90] |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in result["runs"]:
         for side in ("vanilla", "plugin"):
             s = run[side]
-            ratio = run.get("ttft_ratio", {})
+            ratio, pair = run.get("ttft_ratio", {}), run.get("ttft_paired", {})
             ratios = f"{ratio.get('p50')}x / {ratio.get('p90')}x" if side == "plugin" else ""
+            paired = (
+                f"{pair.get('median')}x [{pair.get('p10')}, {pair.get('p90')}]"
+                if side == "plugin" and pair
+                else ""
+            )
             lines.append(
                 f"| {run['fraction']}x | {run['num_blocks']} | {side} | {s['hit_rate']:.3f} | "
                 f"{s['ttft_ms_p50']} ms | {s['ttft_ms_p90']} ms | {s['ttft_ms_p99']} ms | "
-                f"{s['computed_tokens']:,} | {s['end_to_end_s']} s | {ratios} |"
+                f"{s['computed_tokens']:,} | {s['end_to_end_s']} s | {ratios} | {paired} |"
             )
     lines += [
         "",
@@ -387,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             f"pool {fraction}x: hit rate vanilla {run['vanilla']['hit_rate']} vs plugin "
             f"{run['plugin']['hit_rate']}; TTFT p50 {run['vanilla']['ttft_ms_p50']} vs "
             f"{run['plugin']['ttft_ms_p50']} ms, p90 {run['vanilla']['ttft_ms_p90']} vs "
-            f"{run['plugin']['ttft_ms_p90']} ms"
+            f"{run['plugin']['ttft_ms_p90']} ms; paired per-call ratio {run['ttft_paired']}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

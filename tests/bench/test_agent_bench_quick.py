@@ -25,6 +25,9 @@ def test_quick_benchmark_pipeline(tmp_path: Path) -> None:
     assert run["plugin"]["releases_post"] == 0
     assert run["plugin"]["blocks_released"] > 0
     assert set(run["ttft_ratio"]) == {"p50", "p90"}
+    paired = run["ttft_paired"]
+    assert 0 < paired["p10"] <= paired["median"] <= paired["p90"]
+    assert 0 <= paired["faster_share"] <= 1
     assert set(run["simulated"]) == {"infinite", "lru", "lru_release", "belady"}
     assert abs(run["sim_vs_real_lru"]) < 0.05  # the simulator models vanilla vLLM closely
     assert "| pool |" in (tmp_path / "agent_benchmark_quick.md").read_text()
