@@ -12,11 +12,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from vllm_affinity.core.hint import HEADER as RELEASE_HEADER
+
 from ._options import SessionResolver
 from ._telemetry import logger
 
 SESSION_HEADER = "X-Session-ID"
-RELEASE_HEADER = "X-KV-Release"
 
 _current_session: ContextVar[str | None] = ContextVar("jiuwen_hooks_session", default=None)
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import http_sf
+from vllm_affinity.core.hint import ReleaseHint
 
 from . import _state
 from ._context import current_session, hashed_with_salt, resolve_session, with_session
@@ -119,11 +119,11 @@ class Hook:
         if decision.skipped is not None:
             self.telemetry.record_skip(decision.skipped)
         plan, hint, trace_headers = decision.plan, None, None
-        release = plan.release if plan is not None else decision.covered
-        state = self._engine_state(target)
-        if release is not None and state is EngineState.IN_REQUEST:
-            hint = release_header(release)
-            trace_headers = self._record_in_request(session_id, release, target, len(old(plan)))
+        state = self._engine_state(target)  # first contact starts the probe
+        due = plan or decision.covered  # a covered release is idempotent in the engine
+        if due is not None and state is EngineState.IN_REQUEST:
+            hint = release_header(due.release)
+            trace_headers = self._record_in_request(due)
             plan = None
         if self.options.inject_session or hint is not None:  # a hint needs its session
             kwargs = with_session(kwargs, session_id, release=hint, trace=trace_headers)
@@ -151,13 +151,11 @@ class Hook:
             self._submit(self.client.probe, target.root, target.api_key)
         return self.directory.state(target.root)
 
-    def _record_in_request(
-        self, session_id: str, release: Release, target: EngineTarget, old_len: int
-    ) -> dict[str, str]:
-        attributes = release_attributes(session_id, release, target, old_len)
+    def _record_in_request(self, plan: ReleasePlan) -> dict[str, str]:
+        attributes = release_attributes(plan)
         attributes["jiuwen.release.mode"] = "in_request"
         attributes["jiuwen.engine.state"] = str(EngineState.IN_REQUEST)
-        return self.telemetry.record_in_request(attributes, release.reason)
+        return self.telemetry.record_in_request(attributes, plan.release.reason)
 
     def settle(self, prepared: PreparedCall) -> None:
         """Before a synchronous model call: wait for a compressor release on the wire, POST."""
@@ -318,14 +316,6 @@ class Hook:
         self.client.close()
 
 
-def old(plan: ReleasePlan | None) -> tuple[Any, ...]:
-    """The previous window's messages (empty for a release covered by a compressor's)."""
-    return plan.old.messages if plan is not None else ()
-
-
 def release_header(release: Release) -> str:
-    """The ``X-KV-Release`` value (an RFC 8941 dictionary) for ``release``."""
-    fields = {"messages_released_index": release.messages_released_index}
-    if release.tools_released_index is not None:
-        fields["tools_released_index"] = release.tools_released_index
-    return http_sf.ser(fields)
+    """The ``X-KV-Release`` value for ``release``, in the plugin's own wire format."""
+    return ReleaseHint(release.messages_released_index, release.tools_released_index).header_value()

@@ -26,7 +26,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import Status, StatusCode
 
-from ._diff import Release
 from ._engines import EngineDirectory, EngineState, state_from_capabilities
 from ._options import Options
 from ._sessions import ReleasePlan
@@ -245,21 +244,22 @@ class _Attempt:
 
 
 def span_attributes(plan: ReleasePlan) -> dict[str, Any]:
-    attrs = release_attributes(plan.session_id, plan.release, plan.target, len(plan.old.messages))
+    """Attributes of a POSTed release's span."""
+    attrs = release_attributes(plan)
     attrs["url.full"] = plan.target.url
     return attrs
 
 
-def release_attributes(
-    session_id: str, release: Release, target: EngineTarget, old_len: int
-) -> dict[str, Any]:
+def release_attributes(plan: ReleasePlan) -> dict[str, Any]:
+    """Attributes of any release's span (POSTed or carried on the chat request)."""
+    release, target = plan.release, plan.target
     parts = urlsplit(target.url)
     attrs: dict[str, Any] = {
-        "gen_ai.conversation.id": session_id,
+        "gen_ai.conversation.id": plan.session_id,
         "gen_ai.request.model": target.model,
         "jiuwen.release.reason": release.reason,
         "jiuwen.release.messages_released_index": release.messages_released_index,
-        "jiuwen.release.messages_count": old_len,
+        "jiuwen.release.messages_count": len(plan.old.messages),
         "server.address": parts.hostname or "",
         "server.port": parts.port or (443 if parts.scheme == "https" else 80),
     }

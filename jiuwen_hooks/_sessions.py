@@ -51,7 +51,7 @@ class Decision:
 
     plan: ReleasePlan | None = None
     skipped: str | None = None
-    covered: Release | None = None
+    covered: ReleasePlan | None = None
     wait_for: CompressorJob | None = None
     job: CompressorJob | None = None  # set by ``rewrite``: the job that carries ``plan``
 
@@ -125,7 +125,8 @@ class SessionTable:
                     job.superseded = True
                     return self._decide(session_id, old, release.relabel(job.reason), target)
                 waiting = job if job is not None and not job.done.is_set() else None
-                return Decision(skipped="already_released", covered=release, wait_for=waiting)
+                covered = ReleasePlan(session_id, old, release, target)
+                return Decision(skipped="already_released", covered=covered, wait_for=waiting)
             return self._decide(session_id, old, release, target)
 
     def rewrite(

@@ -77,7 +77,7 @@ def test_compressor_release_is_not_repeated_by_next_call() -> None:
     assert decision.job is not None and t.claim(decision.job)  # the sender took it
     d = t.observe("s", W("a", "short", "c", "d"), None)
     assert d.plan is None and d.skipped == "already_released"
-    assert d.covered is not None and d.covered.messages_released_index == 1
+    assert d.covered is not None and d.covered.release.messages_released_index == 1
     assert d.wait_for is decision.job  # still being sent: the call waits for it
     # after that call the snapshot is the new window: a later rewrite releases again
     assert t.observe("s", W("a", "short"), None).plan is not None

@@ -1,1 +1,1 @@
-"""vllm_affinity: the vLLM plugin (server half). Placeholder until its own issue lands."""
+"""vllm_affinity: the vLLM plugin (server half) of agent-aware KV-cache release."""

@@ -7,7 +7,7 @@
 - ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
   request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
   blocks it releases can serve that very request's allocation.
-- ``EngineCore.affinity_release`` / ``affinity_stats``: called from the API server through
+- ``EngineCore.affinity_release_prompt`` / ``affinity_stats``: called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
   no locking against the scheduler is needed.
 
@@ -72,15 +72,9 @@ class PoolAffinity:
     def request_done(self, request_id: str) -> None:
         self._bound.pop(request_id, None)
 
-    def release(
-        self,
-        session: str,
-        first_block: int,
-        prompt_tokens: int | None = None,
-        mode: str = "post",
-    ) -> dict[str, Any]:
-        selection = self.sessions.select_release(session, first_block, prompt_tokens)
-        return self._apply(selection, first_block, mode)
+    def release(self, session: str, first_block: int, mode: str = "post") -> dict[str, Any]:
+        """Release the session's latest blocks from block index ``first_block`` on."""
+        return self._apply(self.sessions.select_release(session, first_block), first_block, mode)
 
     def release_divergent(
         self, session: str, chain: list[Any], mode: str, require_common_prefix: bool = False
@@ -100,7 +94,7 @@ class PoolAffinity:
             if require_common_prefix and first == 0 and chain:
                 result = self._apply(ReleaseSelection(status="record_mismatch"), 0, mode)
             else:
-                result = self.release(session, first, mode=mode)
+                result = self.release(session, first, mode)
             result["prompt_tokens"] = record.num_prompt_tokens
         # time spent in the engine core on this path (what a hinted request adds to its step)
         self.counters[f"release_us_{mode}"] += round((time.perf_counter() - started) * 1e6)
@@ -222,13 +216,6 @@ def _engine_state(engine_core: Any) -> PoolAffinity:
     return state
 
 
-def affinity_release(
-    self: Any, session: str, first_block: int, prompt_tokens: int | None = None
-) -> dict[str, Any]:
-    """EngineCore utility: release ``session``'s blocks from ``first_block`` on."""
-    return _engine_state(self).release(session, int(first_block), prompt_tokens)
-
-
 def affinity_release_prompt(
     self: Any, session: str, prompt_token_ids: list[int], cache_salt: str | None
 ) -> dict[str, Any]:
@@ -250,7 +237,7 @@ def affinity_release_prompt(
         cache_salt=cache_salt,
         block_hasher=hasher,
     )
-    return state.release_divergent(session, probe.block_hashes, "post", True)
+    return state.release_divergent(session, probe.block_hashes, "post", require_common_prefix=True)
 
 
 def affinity_stats(self: Any) -> dict[str, Any]:
@@ -275,7 +262,6 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(Settings.from_env()))
-    EngineCore.affinity_release = affinity_release
     EngineCore.affinity_release_prompt = affinity_release_prompt
     EngineCore.affinity_stats = affinity_stats
     _applied = True

@@ -51,7 +51,7 @@ def test_release_moves_stale_blocks_including_generated_ones() -> None:
     generate(manager, request, BLOCK + 4)  # one full block of generated tokens + a partial
     manager.free(request)
     state = state_of(manager)
-    result = state.release("A", 2, prompt_tokens=4 * BLOCK)
+    result = state.release("A", 2)
     assert result == {
         "status": "ok",
         "block_released": 3,
@@ -166,7 +166,10 @@ def test_unknown_session_and_record_mismatch() -> None:
     manager.free(a)
     state = state_of(manager)
     assert state.release("nobody", 0)["status"] == "unknown_session"
-    assert state.release("A", 0, prompt_tokens=999)["status"] == "record_mismatch"
+    # a POSTed cut that shares not even the first block is another prompt, not a cut of A's
+    other = make_request(tokens(500, 2)).block_hashes
+    result = state.release_divergent("A", other, "post", require_common_prefix=True)
+    assert result["status"] == "record_mismatch" and result["block_released"] == 0
     assert state.queue.segment_sizes()["released"] == 0
 
 

@@ -14,6 +14,7 @@ import pytest
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import TelemetryCapture
+from vllm_affinity.core import common_prefix_length
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_text, filler_window
 
 pytestmark = pytest.mark.e2e
@@ -79,15 +80,6 @@ def tokens(
     return response.json()["tokens"]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def test_in_request_release_is_exact_and_costs_no_round_trip(
     vllm_affinity_server: VLLMServer, capture: TelemetryCapture
 ) -> None:
@@ -116,8 +108,8 @@ def test_in_request_release_is_exact_and_costs_no_round_trip(
     # the hook saw message 3 change; the template also re-renders message 2 without its reasoning
     old, new = tokens(server, window, DROPS_REASONING), tokens(server, rewritten, DROPS_REASONING)
     cut = tokens(server, window[:3], DROPS_REASONING)
-    first_stale = common_prefix(old, new) // BLOCK_SIZE
-    assert first_stale < common_prefix(old, cut) // BLOCK_SIZE  # earlier than message 3
+    first_stale = common_prefix_length(old, new) // BLOCK_SIZE
+    assert first_stale < common_prefix_length(old, cut) // BLOCK_SIZE  # earlier than message 3
     cached_blocks = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // BLOCK_SIZE
     assert grew(before, after, "releases_in_request") == 1
     assert grew(before, after, "blocks_released_in_request") == cached_blocks - first_stale
@@ -249,7 +241,10 @@ def test_seed_contract_client_still_works(vllm_affinity_server: VLLMServer) -> N
     assert result["status"] == "ok"
     assert result["prompt_tokens"] == reply.usage.prompt_tokens
     assert result["block_released"] == cached_blocks - result["first_stale_block"]
-    assert result["first_stale_block"] == common_prefix(tokens(server, messages), cut) // BLOCK_SIZE
+    assert (
+        result["first_stale_block"]
+        == common_prefix_length(tokens(server, messages), cut) // BLOCK_SIZE
+    )
     assert result["capabilities"]["in_request_release"] is True
     assert server.release(body).json()["block_released"] == 0  # idempotent
 
@@ -306,7 +301,7 @@ def test_release_on_divergence_without_a_hint() -> None:
             )
             last = engine(server)
         old, new = tokens(server, window), tokens(server, rewritten)
-    first_stale = common_prefix(old, new) // BLOCK_SIZE
+    first_stale = common_prefix_length(old, new) // BLOCK_SIZE
     cached_blocks = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // BLOCK_SIZE
     assert grew(before, after, "releases_divergence") == 1
     assert grew(before, after, "blocks_released_divergence") == cached_blocks - first_stale

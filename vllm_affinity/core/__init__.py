@@ -3,7 +3,7 @@
 from .hint import HintError, ReleaseHint
 from .queue import ReleaseResult, Segment, SegmentedFreeBlockQueue
 from .sessions import ReleaseSelection, SessionBlocks
-from .tokens import common_prefix_length, first_divergent_block, first_stale_block
+from .tokens import common_prefix_length, first_divergent_block
 
 __all__ = [
     "HintError",
@@ -15,5 +15,4 @@ __all__ = [
     "SessionBlocks",
     "common_prefix_length",
     "first_divergent_block",
-    "first_stale_block",
 ]

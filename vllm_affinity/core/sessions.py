@@ -56,20 +56,12 @@ class SessionBlocks:
         for block_id in block_ids:
             self.owners.pop(block_id, None)
 
-    def select_release(
-        self, session: str, first_block: int, expected_prompt_tokens: int | None = None
-    ) -> ReleaseSelection:
+    def select_release(self, session: str, first_block: int) -> ReleaseSelection:
         """Blocks to release for ``session`` from block index ``first_block`` of its latest
-        request. ``expected_prompt_tokens`` guards against releasing a different request's blocks
-        (the record must be of the window being released)."""
+        request."""
         record = self.latest.get(session)
         if record is None:
             return ReleaseSelection(status="unknown_session")
-        if (
-            expected_prompt_tokens is not None
-            and record.num_prompt_tokens != expected_prompt_tokens
-        ):
-            return ReleaseSelection(status="record_mismatch")
         released: list[int] = []
         kept = 0
         for block_id in record.block_ids[first_block:]:

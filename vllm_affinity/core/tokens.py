@@ -1,4 +1,4 @@
-"""Pure core: token-diff and block-index math of a release."""
+"""Pure core: token-prefix and block-hash-chain math of a release."""
 
 from __future__ import annotations
 
@@ -12,14 +12,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def first_stale_block(first_stale_token: int, block_size: int) -> int:
-    """Index of the first KV block holding a stale token: a block is valid only when every token
-    in it is, so the block containing the first stale token is stale."""
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    return first_stale_token // block_size
 
 
 def first_divergent_block(cached: Iterable[Hashable | None], chain: Sequence[Hashable]) -> int:
