@@ -1,8 +1,10 @@
-"""Session resolution and what a tracked chat request carries: the ``X-Session-ID`` header, the
+"""Session resolution and what a tracked model request carries: the ``X-Session-ID`` header, the
 in-request release header, and (only when asked for) ``cache_salt`` in the body.
 
-First match wins: explicit ``extra_body["cache_salt"]``; the ``session()`` context (a contextvar,
-so threads and asyncio tasks each keep their own); the ``X-Session-ID`` header; a user resolver.
+First match wins: an explicit ``cache_salt`` in the extra body; openJiuwen's
+``agent_hint.session_id`` in the extra body; the ``session()`` context (a contextvar, so threads
+and asyncio tasks each keep their own); the ``X-Session-ID`` header of the call; the same header
+among the client's ``default_headers``; a user resolver.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_affinity.core.hint import HEADER as RELEASE_HEADER
@@ -20,6 +23,27 @@ from ._telemetry import logger
 SESSION_HEADER = "X-Session-ID"
 
 _current_session: ContextVar[str | None] = ContextVar("jiuwen_hooks_session", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """One model request as the SDK is about to send it, in plain terms (no openai types)."""
+
+    api: str  # "chat" | "responses"
+    body: Mapping[str, Any]  # the request's JSON body, as the SDK built it
+    extra_body: Mapping[str, Any] | None = None  # the caller's ``extra_body``
+    headers: Mapping[str, Any] | None = None  # the caller's ``extra_headers``
+    default_headers: Mapping[str, Any] | None = field(default=None, repr=False)  # the client's
+    base_url: str = ""
+    api_key: str | None = None
+    #: The list object the caller passed (``messages`` / ``input``), to recognise it later in a
+    #: compressor; ``None`` when unknown.
+    caller_list: Any = field(default=None, repr=False)
+
+    def create_kwargs(self) -> dict[str, Any]:
+        """What a session resolver receives: the body's fields plus ``extra_body`` and
+        ``extra_headers``, like the keyword arguments of ``create``."""
+        return {**self.body, "extra_body": self.extra_body, "extra_headers": self.headers}
 
 
 @contextmanager
@@ -38,7 +62,7 @@ def current_session() -> str | None:
     return _current_session.get()
 
 
-def _header(headers: Any, name: str) -> str | None:
+def header(headers: Any, name: str) -> str | None:
     if not isinstance(headers, Mapping):
         return None
     lowered = name.lower()
@@ -48,19 +72,32 @@ def _header(headers: Any, name: str) -> str | None:
     return None
 
 
-def resolve_session(kwargs: dict[str, Any], resolver: SessionResolver | None) -> str | None:
-    body = kwargs.get("extra_body")
-    if isinstance(body, Mapping):
-        salt = body.get("cache_salt")
-        if isinstance(salt, str) and salt:
-            return salt
+def _body_session(extra_body: Any) -> str | None:
+    if not isinstance(extra_body, Mapping):
+        return None
+    salt = extra_body.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        return salt
+    hint = extra_body.get("agent_hint")
+    if isinstance(hint, Mapping):
+        session_id = hint.get("session_id")
+        if isinstance(session_id, str) and session_id:
+            return session_id
+    return None
+
+
+def resolve_session(call: ModelCall, resolver: SessionResolver | None) -> str | None:
+    if (found := _body_session(call.extra_body)) is not None:
+        return found
     if (current := _current_session.get()) is not None:
         return current
-    if (header := _header(kwargs.get("extra_headers"), SESSION_HEADER)) is not None:
-        return header
+    if (found := header(call.headers, SESSION_HEADER)) is not None:
+        return found
+    if (found := header(call.default_headers, SESSION_HEADER)) is not None:
+        return found
     if resolver is not None:
         try:
-            resolved = resolver(kwargs)
+            resolved = resolver(call.create_kwargs())
         except Exception:
             logger.warning(
                 "jiuwen_hooks: the session resolver raised; call not tracked", exc_info=True
@@ -71,45 +108,42 @@ def resolve_session(kwargs: dict[str, Any], resolver: SessionResolver | None) ->
     return None
 
 
-def with_session(
-    kwargs: dict[str, Any],
+def session_headers(
+    headers: Mapping[str, Any] | None,
     session_id: str,
     *,
-    header: bool = True,
-    body: bool = False,
-    cache_sharing: bool | None = None,
     release: str | None = None,
     trace: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A copy of ``kwargs`` that carries the session (header; body fields only with ``body``) and
-    an in-request release header with its trace context, keeping every value the caller set (the
-    caller's dicts are never mutated)."""
-    out = dict(kwargs)
-    if body:
-        raw_body = kwargs.get("extra_body")
-        extra_body = dict(raw_body) if isinstance(raw_body, Mapping) else {}
-        extra_body.setdefault("cache_salt", session_id)
-        if cache_sharing is not None:
-            extra_body.setdefault("cache_sharing", cache_sharing)
-        out["extra_body"] = extra_body
-    raw_headers = kwargs.get("extra_headers")
-    headers = dict(raw_headers) if isinstance(raw_headers, Mapping) else {}
-    if header and _header(headers, SESSION_HEADER) is None:
-        headers[SESSION_HEADER] = session_id
+    """A copy of the caller's headers with the session (unless it named one) and, for an
+    in-request release, the release header and the trace context that joins the server's span to
+    the release's. The caller's dict is never mutated."""
+    out = dict(headers) if isinstance(headers, Mapping) else {}
+    if header(out, SESSION_HEADER) is None:
+        out[SESSION_HEADER] = session_id
     if release is not None:
-        headers[RELEASE_HEADER] = release
-        for name, value in (trace or {}).items():  # joins the server's span to the release's
-            if _header(headers, name) is None:
-                headers[name] = value
-    if headers or raw_headers is not None:
-        out["extra_headers"] = headers
+        out[RELEASE_HEADER] = release
+        for name, value in (trace or {}).items():
+            if header(out, name) is None:
+                out[name] = value
     return out
 
 
-def hashed_with_salt(kwargs: dict[str, Any]) -> bool:
+def salted_body(
+    extra_body: Mapping[str, Any] | None, session_id: str, cache_sharing: bool | None
+) -> dict[str, Any]:
+    """A copy of the caller's extra body with ``cache_salt`` (and ``cache_sharing``), keeping any
+    value the caller set."""
+    out = dict(extra_body) if isinstance(extra_body, Mapping) else {}
+    out.setdefault("cache_salt", session_id)
+    if cache_sharing is not None:
+        out.setdefault("cache_sharing", cache_sharing)
+    return out
+
+
+def hashed_with_salt(extra_body: Any) -> bool:
     """Whether the engine hashes this request's blocks with a ``cache_salt`` (not shared)."""
-    body = kwargs.get("extra_body")
-    if not isinstance(body, Mapping):
+    if not isinstance(extra_body, Mapping):
         return False
-    salt = body.get("cache_salt")
-    return isinstance(salt, str) and bool(salt) and body.get("cache_sharing") is not True
+    salt = extra_body.get("cache_salt")
+    return isinstance(salt, str) and bool(salt) and extra_body.get("cache_sharing") is not True

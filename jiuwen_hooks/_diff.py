@@ -73,10 +73,15 @@ def canonical_tools(tools: Any) -> tuple[Message, ...] | None:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """What one chat request sent: canonical messages and tools (``None``: no tools field)."""
+    """What one model request sent: canonical messages and tools (``None``: no tools field).
+
+    ``api`` is ``"chat"`` (Chat Completions ``messages``) or ``"responses"`` (Responses API: an
+    optional ``{"instructions": ...}`` item first, then the ``input`` items).
+    """
 
     messages: tuple[Message, ...]
     tools: tuple[Message, ...] | None = None
+    api: str = "chat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +114,10 @@ def first_difference(old: Sequence[Any], new: Sequence[Any]) -> int | None:
 def diff_windows(old: Window, new: Window) -> Release | None:
     """Spec §4: first differing message → rewrite; strict truncation → ``len(new)``; pure append →
     nothing. A changed tools list adds ``tools_released_index`` (and, when no message changed,
-    releases from ``len(old.messages)``, i.e. only what the tools affect)."""
+    releases from ``len(old.messages)``, i.e. only what the tools affect). A session that moved
+    to the other API renders differently from the first token: everything is released."""
+    if old.api != new.api:
+        return Release(0, 0 if old.tools else None, "rewrite")
     k = first_difference(old.messages, new.messages)
     if k is not None and k >= len(old.messages):
         k = None  # pure append

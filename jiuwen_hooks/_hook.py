@@ -16,40 +16,51 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import inspect
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_affinity.core.hint import ReleaseHint
 
 from . import _state
-from ._context import current_session, hashed_with_salt, resolve_session, with_session
-from ._diff import Release, ReleasePolicy, Window, canonical_tools, canonical_window
+from ._compressor import compressor_wrapper, parse_dotted
+from ._context import (
+    ModelCall,
+    current_session,
+    hashed_with_salt,
+    resolve_session,
+    salted_body,
+    session_headers,
+)
+from ._diff import Release, ReleasePolicy, Window
 from ._engines import EngineDirectory, EngineState
+from ._openai import (
+    ASYNC_REQUEST,
+    CALLER_METHODS,
+    CLIENT_MODULE,
+    SYNC_REQUEST,
+    async_request_wrapper,
+    caller_list_wrapper,
+    request_wrapper,
+)
 from ._options import Options
-from ._patch import Patches
+from ._patch import Patches, resolve
 from ._release import EngineTarget, ReleaseClient, engine_root, release_attributes
 from ._sessions import CompressorJob, ReleasePlan, SessionTable
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry
-
-
-def _sequence(value: Any) -> list[Any] | tuple[Any, ...] | None:
-    """Lists and tuples as they are; other iterables materialised once (the SDK must still get
-    them); sentinels such as openai's ``omit``/``NOT_GIVEN`` and ``None`` → ``None``."""
-    if isinstance(value, list | tuple):
-        return value
-    if value is None or isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
-        return None
-    return list(value)
+from ._windows import SERVER_HISTORY, rewritten_messages, window_of
 
 
 @dataclass(frozen=True, slots=True)
 class PreparedCall:
-    """What a tracked model call sends, and what must happen before it goes out."""
+    """What a tracked model request sends instead of the caller's headers / extra body (``None``:
+    unchanged), and what must happen before it goes out."""
 
-    kwargs: dict[str, Any]
+    headers: dict[str, Any] | None = None
+    extra_body: dict[str, Any] | None = None
     plan: ReleasePlan | None = None  # a release to POST first
     wait_for: CompressorJob | None = None  # a compressor release on the wire
 
@@ -75,14 +86,17 @@ class Hook:
         self._closed = False
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
-        self.patches: Patches | None = None  # set by install()
+        self._patches = Patches()
+        #: True while this hook is installed; wrappers an accessor cached pass through otherwise.
+        self.active = False
 
     # -- model calls --------------------------------------------------------------------------
-    def before_call(self, completions: Any, kwargs: dict[str, Any]) -> PreparedCall | None:
+    def before_call(self, describe: Callable[[], ModelCall | None]) -> PreparedCall | None:
         """Resolve the session, diff the window, add the headers. ``None``: pass through
         untouched. Never raises: an internal error is logged and the call goes out unchanged."""
         try:
-            return self._before_call(completions, kwargs)
+            call = describe()
+            return self._before_call(call) if call is not None else None
         except Exception:
             self.telemetry.count("internal_errors")
             self.warnings.warn(
@@ -90,31 +104,20 @@ class Hook:
             )
             return None
 
-    def _before_call(self, completions: Any, kwargs: dict[str, Any]) -> PreparedCall | None:
-        session_id = resolve_session(kwargs, self.options.session_resolver)
+    def _before_call(self, call: ModelCall) -> PreparedCall | None:
+        session_id = resolve_session(call, self.options.session_resolver)
         if session_id is None:
             return None
-        raw_messages, raw_tools = kwargs.get("messages"), kwargs.get("tools")
-        messages = _sequence(raw_messages)
-        if messages is None:
+        window = window_of(call.api, call.body)
+        if not isinstance(window, Window):
+            if window == SERVER_HISTORY:
+                self.telemetry.count(f"calls.untracked.{SERVER_HISTORY}")
             return None
-        tools = _sequence(raw_tools)
-        if messages is not raw_messages:
-            kwargs = {**kwargs, "messages": messages}
-        if tools is not None and tools is not raw_tools:
-            kwargs = {**kwargs, "tools": tools}
+        extra_body = None
         if self.options.session_body:
-            kwargs = with_session(
-                kwargs,
-                session_id,
-                header=False,
-                body=True,
-                cache_sharing=self.options.cache_sharing,
-            )
-        window = Window(canonical_window(messages), canonical_tools(tools))
-        target = self._target(completions, kwargs)
-        source = messages if isinstance(messages, list) else None
-        decision = self.table.observe(session_id, window, target, source)
+            extra_body = salted_body(call.extra_body, session_id, self.options.cache_sharing)
+        target = self._target(call, extra_body if extra_body is not None else call.extra_body)
+        decision = self.table.observe(session_id, window, target, call.caller_list)
         self.telemetry.count("calls.tracked")
         if decision.skipped is not None:
             self.telemetry.record_skip(decision.skipped)
@@ -125,21 +128,19 @@ class Hook:
             hint = release_header(due.release)
             trace_headers = self._record_in_request(due)
             plan = None
+        headers = None
         if self.options.inject_session or hint is not None:  # a hint needs its session
-            kwargs = with_session(kwargs, session_id, release=hint, trace=trace_headers)
-        return PreparedCall(kwargs, plan, decision.wait_for)
+            headers = session_headers(call.headers, session_id, release=hint, trace=trace_headers)
+        return PreparedCall(headers, extra_body, plan, decision.wait_for)
 
-    def _target(self, completions: Any, kwargs: dict[str, Any]) -> EngineTarget:
-        client = getattr(completions, "_client", None)
-        root = engine_root(str(getattr(client, "base_url", "") or ""))
-        url = self.options.release_url or root + self.options.release_path
-        api_key = getattr(client, "api_key", None)
+    def _target(self, call: ModelCall, extra_body: Any) -> EngineTarget:
+        root = engine_root(call.base_url)
         return EngineTarget(
-            url,
-            api_key if isinstance(api_key, str) else None,
-            str(kwargs.get("model")),
+            self.options.release_url or root + self.options.release_path,
+            call.api_key,
+            str(call.body.get("model")),
             root=root,
-            salted=hashed_with_salt(kwargs),
+            salted=hashed_with_salt(extra_body),
         )
 
     def _engine_state(self, target: EngineTarget) -> EngineState:
@@ -188,7 +189,7 @@ class Hook:
                 return
             self.telemetry.count("compressor.runs")
             decision = self.table.rewrite(
-                session_id, canonical_window(output), f"compressor:{label}"
+                session_id, output, f"compressor:{label}", rewritten_messages
             )
             if decision.skipped is not None:
                 self.telemetry.record_skip(decision.skipped)
@@ -284,12 +285,46 @@ class Hook:
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def uninstall(self) -> None:
-        """Same as ``jiuwen_hooks.uninstall()`` when this hook is the installed one."""
-        from ._install import uninstall
+    def install(self) -> Hook:
+        """Patch the openai client (and the compressors named in the options) and become the
+        process's hook. Raises, with nothing patched, on a compressor that cannot be found."""
+        with _state.lock:
+            if _state.installed() is not None:
+                raise RuntimeError("jiuwen_hooks: another hook is installed; uninstall it first")
+            try:
+                self._patch()
+            except BaseException:
+                self._patches.remove_all()
+                self.close()
+                raise
+            self.active = True
+            _state.set_installed(self)
+        return self
 
-        if _state.installed() is self:
-            uninstall()
+    def _patch(self) -> None:
+        self._patches.wrap(CLIENT_MODULE, SYNC_REQUEST, request_wrapper(self))
+        self._patches.wrap(CLIENT_MODULE, ASYNC_REQUEST, async_request_wrapper(self))
+        for module, method, argument in CALLER_METHODS:
+            is_async = method.startswith("Async")
+            self._patches.wrap(module, method, caller_list_wrapper(self, argument, is_async))
+        for dotted in self.options.compressors:
+            module, attribute = parse_dotted(dotted)
+            found = resolve(module, attribute)
+            if found is None:
+                raise ValueError(f"jiuwen_hooks: compressor {dotted!r} not found")
+            is_async = inspect.iscoroutinefunction(found[2])
+            self._patches.wrap(module, attribute, compressor_wrapper(attribute, is_async))
+
+    def uninstall(self) -> None:
+        """Remove every patch this hook made, flush background releases, close HTTP clients.
+        Wrappers that an SDK accessor cached while installed pass straight through from now on."""
+        with _state.lock:
+            if _state.installed() is self:
+                _state.set_installed(None)
+            was_active, self.active = self.active, False
+            self._patches.remove_all()
+        if was_active:
+            self.close()
 
     def stats(self) -> dict[str, Any]:
         """Counters (``releases.ok``, ``releases.in_request``, ``skipped.<reason>``, ...) and

@@ -1,15 +1,13 @@
-"""``install()`` / ``uninstall()``: idempotent, symmetric, and exact about what they restore."""
+"""``install()`` / ``uninstall()``: the one-liners around the process's ``Hook``, idempotent and
+symmetric (the hook owns its patches; see ``Hook.install``)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from . import _state
-from ._compressor import compressor_wrapper, parse_dotted
 from ._hook import Hook
 from ._options import Options
-from ._patch import CHAT_METHODS, CHAT_MODULE, Patches, async_chat_wrapper, chat_wrapper, resolve
 from ._telemetry import logger
 from ._version import __version__
 
@@ -32,43 +30,18 @@ def install(**options: Any) -> Hook:
         if not hook.options.enabled:
             logger.info("jiuwen_hooks: disabled by option; nothing patched")
             return hook
-        patches = Patches()
-        try:
-            for path in CHAT_METHODS:
-                if path.startswith("Async"):
-                    wrapper = async_chat_wrapper(hook.before_call, hook.asettle)
-                else:
-                    wrapper = chat_wrapper(hook.before_call, hook.settle)
-                patches.wrap(CHAT_MODULE, path, wrapper)
-            for dotted in hook.options.compressors:
-                module, attribute = parse_dotted(dotted)
-                found = resolve(module, attribute)
-                if found is None:
-                    raise ValueError(f"jiuwen_hooks: compressor {dotted!r} not found")
-                is_async = inspect.iscoroutinefunction(found[2])
-                patches.wrap(module, attribute, compressor_wrapper(attribute, is_async))
-        except BaseException:
-            patches.remove_all()
-            hook.close()
-            raise
-        hook.patches = patches
-        _state.set_installed(hook)
-        return hook
+        return hook.install()
 
 
 def uninstall() -> None:
     """Remove every patch ``install()`` made, flush background releases, close HTTP clients."""
     with _state.lock:
         hook = _state.installed()
-        if hook is None:
-            return
-        _state.set_installed(None)
-        if hook.patches is not None:
-            hook.patches.remove_all()
-        hook.close()
+        if hook is not None:
+            hook.uninstall()
 
 
-def stats() -> dict[str, int]:
+def stats() -> dict[str, Any]:
     """A snapshot of the installed hook's counters (empty when not installed)."""
     hook = _state.installed()
     return hook.stats() if hook is not None else {}

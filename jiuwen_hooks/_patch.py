@@ -1,32 +1,16 @@
-"""openai adapter: wrapt patches of the chat-completion methods, with exact removal.
-
-Patched on the classes, so clients created before ``install()`` are covered, and so are
-``with_raw_response`` / ``with_streaming_response`` accessors created after it. A contextvar guard
-makes nested patched calls (``parse`` → ``create`` in some SDK versions) pass straight through, so
-one model call never releases twice.
-"""
+"""wrapt patches with exact removal: each wrapper is spliced out of its chain on removal, so
+wrappers stacked by other libraries (before or after ours) keep working."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import wrapt
 
 from ._telemetry import logger
-
-_in_call: ContextVar[bool] = ContextVar("jiuwen_hooks_in_call", default=False)
-
-CHAT_MODULE = "openai.resources.chat.completions"
-CHAT_METHODS = (
-    "Completions.create",
-    "Completions.parse",
-    "AsyncCompletions.create",
-    "AsyncCompletions.parse",
-)
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -77,47 +61,3 @@ class Patches:
                     getattr(owner, "__name__", owner),
                     attribute,
                 )
-
-
-def chat_wrapper(before: Callable[..., Any], settle: Callable[..., Any]) -> Wrapper:
-    """Wrapper for the synchronous ``create``/``parse``: ``before`` prepares the call (session,
-    diff, headers) and ``settle`` does what must precede it (a POST release, or waiting for a
-    compressor's release on the wire); then the real call."""
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _in_call.get():
-            return wrapped(*args, **kwargs)
-        prepared = before(instance, kwargs)
-        if prepared is None:
-            return wrapped(*args, **kwargs)
-        settle(prepared)
-        token = _in_call.set(True)
-        try:
-            return wrapped(*args, **prepared.kwargs)
-        finally:
-            _in_call.reset(token)
-
-    return wrapper
-
-
-def async_chat_wrapper(before: Callable[..., Any], asettle: Callable[..., Any]) -> Wrapper:
-    """Wrapper for ``AsyncCompletions.create``/``parse``: as ``chat_wrapper``, awaited."""
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _in_call.get():
-            return wrapped(*args, **kwargs)
-
-        async def call() -> Any:
-            prepared = before(instance, kwargs)
-            if prepared is None:
-                return await wrapped(*args, **kwargs)
-            await asettle(prepared)
-            token = _in_call.set(True)
-            try:
-                return await wrapped(*args, **prepared.kwargs)
-            finally:
-                _in_call.reset(token)
-
-        return call()
-
-    return wrapper

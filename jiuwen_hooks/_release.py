@@ -30,6 +30,7 @@ from ._engines import EngineDirectory, EngineState, state_from_capabilities
 from ._options import Options
 from ._sessions import ReleasePlan
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, logger
+from ._windows import responses_body
 
 CAPABILITIES_PATH = "/affinity/capabilities"
 
@@ -69,9 +70,12 @@ def release_payload(plan: ReleasePlan) -> dict[str, Any]:
         "model": plan.target.model,
         "cache_salt": plan.session_id,
         "cache_sharing": not plan.target.salted,
-        "messages": list(old.messages),
         "messages_released_index": release.messages_released_index,
     }
+    if old.api == "responses":  # the index counts the instructions as the first item
+        body.update(responses_body(old))
+    else:
+        body["messages"] = list(old.messages)
     if old.tools is not None:
         body["tools"] = list(old.tools)
     if release.tools_released_index is not None:

@@ -130,10 +130,16 @@ class SessionTable:
             return self._decide(session_id, old, release, target)
 
     def rewrite(
-        self, session_id: str, messages: tuple[dict[str, Any], ...], reason: str
+        self,
+        session_id: str,
+        output: Any,
+        reason: str,
+        canonicalise: Callable[[Window, Any], tuple[dict[str, Any], ...]] | None = None,
     ) -> Decision:
-        """A compressor rewrote the session's history to ``messages`` (not sent yet): release what
+        """A compressor rewrote the session's history to ``output`` (not sent yet): release what
         the rewrite made stale, and remember it so the next model call does not release it again.
+        ``canonicalise(old_window, output)`` gives the new window's messages in the old one's API
+        (default: ``output`` is already canonical).
         """
         now = self._clock()
         with self._lock:
@@ -144,7 +150,8 @@ class SessionTable:
             self._states.move_to_end(session_id)
             state.last_used = now
             old = state.window
-            release = diff_windows(old, Window(messages, old.tools))
+            messages = canonicalise(old, output) if canonicalise else tuple(output)
+            release = diff_windows(old, Window(messages, old.tools, old.api))
             if release is None:
                 return NOTHING
             if (

@@ -1,0 +1,152 @@
+"""openai adapter: where the SDK resolves every call, and nothing else.
+
+The work happens in ``SyncAPIClient.request`` / ``AsyncAPIClient.request``, the one method every
+resource method, accessor and helper of the SDK ends in (``create``, ``parse``, ``stream``,
+``with_raw_response``, ``with_streaming_response``; Chat Completions and Responses). The SDK looks
+it up on the client at every call, so clients and accessors created or cached before
+``install()`` are tracked, and ``uninstall()`` stops tracking on every one of them.
+
+A second, trivial wrapper on the ``create``/``parse`` methods only notes the list object the
+caller passed, so that a compressor later handed the same list finds its session without a
+``session()`` context. Where an accessor cached the method before ``install()``, that note is
+missing and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+from ._context import ModelCall
+from ._windows import api_of
+
+CLIENT_MODULE = "openai._base_client"
+SYNC_REQUEST = "SyncAPIClient.request"
+ASYNC_REQUEST = "AsyncAPIClient.request"
+
+#: (module, method, argument holding the caller's list)
+CALLER_METHODS: tuple[tuple[str, str, str], ...] = (
+    ("openai.resources.chat.completions", "Completions.create", "messages"),
+    ("openai.resources.chat.completions", "Completions.parse", "messages"),
+    ("openai.resources.chat.completions", "AsyncCompletions.create", "messages"),
+    ("openai.resources.chat.completions", "AsyncCompletions.parse", "messages"),
+    ("openai.resources.responses.responses", "Responses.create", "input"),
+    ("openai.resources.responses.responses", "Responses.parse", "input"),
+    ("openai.resources.responses.responses", "AsyncResponses.create", "input"),
+    ("openai.resources.responses.responses", "AsyncResponses.parse", "input"),
+)
+
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
+
+_caller_list: ContextVar[Any] = ContextVar("jiuwen_hooks_caller_list", default=None)
+
+
+def model_call(client: Any, options: Any) -> ModelCall | None:
+    """A tracked API's request (``FinalRequestOptions``) in plain terms, or ``None``."""
+    if str(getattr(options, "method", "")).lower() != "post":
+        return None
+    api = api_of(str(getattr(options, "url", "")))
+    body = getattr(options, "json_data", None)
+    if api is None or not isinstance(body, dict):
+        return None
+    headers = getattr(options, "headers", None)
+    api_key = getattr(client, "api_key", None)
+    return ModelCall(
+        api=api,
+        body=body,
+        extra_body=getattr(options, "extra_json", None),
+        headers=headers if isinstance(headers, dict) else None,
+        default_headers=getattr(client, "_custom_headers", None),
+        base_url=str(getattr(client, "base_url", "") or ""),
+        api_key=api_key if isinstance(api_key, str) else None,
+        caller_list=_caller_list.get(),
+    )
+
+
+def rewritten(
+    options: Any, headers: dict[str, Any] | None, extra_body: dict[str, Any] | None
+) -> Any:
+    """A copy of the request options with new headers / extra body (the caller's are kept)."""
+    update: dict[str, Any] = {}
+    if headers is not None:
+        update["headers"] = headers
+    if extra_body is not None:
+        update["extra_json"] = extra_body
+    return options.model_copy(update=update) if update else options
+
+
+def _options_argument(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """``request(cast_to, options, ...)``: the options and a way to put new ones in their place."""
+    if len(args) > 1:
+        return args[1], lambda new: ((args[0], new, *args[2:]), kwargs)
+    return kwargs.get("options"), lambda new: (args, {**kwargs, "options": new})
+
+
+def request_wrapper(hook: Any) -> Wrapper:
+    """``SyncAPIClient.request``: prepare (session, diff, headers), settle (a POST release, or
+    wait for a compressor's), then the real request."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not hook.active:
+            return wrapped(*args, **kwargs)
+        options, replace = _options_argument(args, kwargs)
+        prepared = hook.before_call(lambda: model_call(instance, options))
+        if prepared is None:
+            return wrapped(*args, **kwargs)
+        hook.settle(prepared)
+        args, kwargs = replace(rewritten(options, prepared.headers, prepared.extra_body))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def async_request_wrapper(hook: Any) -> Wrapper:
+    """``AsyncAPIClient.request``: as ``request_wrapper``, awaited."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not hook.active:
+            return wrapped(*args, **kwargs)
+
+        async def call() -> Any:
+            options, replace = _options_argument(args, kwargs)
+            prepared = hook.before_call(lambda: model_call(instance, options))
+            if prepared is None:
+                return await wrapped(*args, **kwargs)
+            await hook.asettle(prepared)
+            new_args, new_kwargs = replace(
+                rewritten(options, prepared.headers, prepared.extra_body)
+            )
+            return await wrapped(*new_args, **new_kwargs)
+
+        return call()
+
+    return wrapper
+
+
+def caller_list_wrapper(hook: Any, argument: str, is_async: bool) -> Wrapper:
+    """Note the caller's own list object for the duration of the call."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        value = kwargs.get(argument)
+        if not hook.active or not isinstance(value, list):
+            return wrapped(*args, **kwargs)
+        if is_async:
+
+            async def call() -> Any:
+                token = _caller_list.set(value)
+                try:
+                    return await wrapped(*args, **kwargs)
+                finally:
+                    _caller_list.reset(token)
+
+            return call()
+        token = _caller_list.set(value)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _caller_list.reset(token)
+
+    return wrapper
