@@ -1,7 +1,8 @@
 """Test helpers for users' own agent tests (also used by this project's tests).
 
 ``LocalEngine`` is a real HTTP server on loopback that speaks enough of the OpenAI API for the
-``openai`` client (``/v1/chat/completions``, streamed or not; ``/v1/models``) and serves
+``openai`` client (``/v1/chat/completions`` and ``/v1/responses``, streamed or not;
+``/v1/models``) and serves
 ``/release_kv_cache``, recording every request. Its release answer can be switched to any status,
 a non-JSON body, a slow answer, or a connection reset mid-response. ``strict=True`` answers 400 to
 any chat field outside the OpenAI API (as the OpenAI API and several gateways do);
@@ -175,8 +176,14 @@ class LocalEngine:
 
     @property
     def chats(self) -> list[RecordedRequest]:
+        """Every model request (``/v1/chat/completions`` and ``/v1/responses``), in order."""
         with self._records.lock:
             return list(self._records.chats)
+
+    @property
+    def responses(self) -> list[RecordedRequest]:
+        """The ``/v1/responses`` requests only."""
+        return [c for c in self.chats if c.path == "/v1/responses"]
 
     @property
     def paths(self) -> list[str]:
@@ -256,6 +263,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.records.paths.append(self.path)
         if self.path == "/release_kv_cache":
             self._release(request)
+        elif self.path == "/v1/responses":
+            with self.records.lock:
+                self.records.chats.append(request)
+            self._response(request)
         elif self.path == "/v1/chat/completions":
             with self.records.lock:
                 self.records.chats.append(request)
@@ -296,9 +307,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = request.body if isinstance(request.body, dict) else {}
         blocks = answer.block_released
         if blocks is None:
-            blocks = max(
-                0, len(body.get("messages") or []) - int(body.get("messages_released_index") or 0)
-            )
+            window = len(body.get("messages") or body.get("input") or [])
+            window += 1 if body.get("instructions") else 0
+            blocks = max(0, window - int(body.get("messages_released_index") or 0))
         answer_body: dict[str, Any] = {
             "cache_salt": body.get("cache_salt"),
             "block_released": blocks,
@@ -344,6 +355,69 @@ class _Handler(BaseHTTPRequestHandler):
             events.append(f"data: {json.dumps(chunk)}\n\n")
         events.append("data: [DONE]\n\n")
         self._send(200, "".join(events).encode(), "text/event-stream")
+
+    def _response(self, request: RecordedRequest) -> None:
+        body = request.body if isinstance(request.body, dict) else {}
+        raw_input = body.get("input")
+        count = 1 if isinstance(raw_input, str) else len(raw_input or [])
+        text = f"{self.reply} ({count} items)"
+        response = _response_object(str(body.get("model", "local")), text, int(time.time()))
+        if not body.get("stream"):
+            self._send(200, json.dumps(response).encode())
+            return
+        item = response["output"][0]
+        in_progress = {**response, "status": "in_progress", "output": []}
+        events = [
+            ("response.created", {"response": in_progress}),
+            ("response.output_item.added", {"output_index": 0, "item": {**item, "content": []}}),
+            (
+                "response.output_text.delta",
+                {"item_id": item["id"], "output_index": 0, "content_index": 0, "delta": text},
+            ),
+            ("response.output_item.done", {"output_index": 0, "item": item}),
+            ("response.completed", {"response": response}),
+        ]
+        payload = "".join(
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': i, **data})}\n\n"
+            for i, (kind, data) in enumerate(events)
+        )
+        self._send(200, payload.encode(), "text/event-stream")
+
+
+def _response_object(model: str, text: str, created: int) -> dict[str, Any]:
+    return {
+        "id": "resp_local",
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_local",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": None,
+        "metadata": {},
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "text": {"format": {"type": "text"}},
+        "usage": {
+            "input_tokens": 1,
+            "output_tokens": 1,
+            "total_tokens": 2,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
 
 
 class TelemetryCapture:

@@ -151,3 +151,80 @@ def test_session_requires_a_string() -> None:
 
 def test_openai_module_is_the_real_sdk() -> None:
     assert openai.OpenAI.__module__.startswith("openai")
+
+
+def _released_after(client: openai.OpenAI, send: Any, engine: Any) -> int:
+    window = system_and_user(2)
+    with jiuwen_hooks.session("cached"):
+        send(client, window)
+        send(client, window[:2])
+    return len(engine.releases)
+
+
+def _raw(client: openai.OpenAI, window: Any) -> None:
+    client.chat.completions.with_raw_response.create(model="m", messages=window).parse()
+
+
+def _streaming(client: openai.OpenAI, window: Any) -> None:
+    with client.chat.completions.with_streaming_response.create(model="m", messages=window) as r:
+        r.read()
+
+
+@pytest.mark.parametrize("send", [_raw, _streaming], ids=["with_raw_response", "streaming"])
+def test_accessor_cached_before_install_is_tracked(jiuwen_engine: Any, send: Any) -> None:
+    """What ``ChatOpenAI.invoke`` does: the accessor is built (and cached) on first use."""
+    client = openai.OpenAI(base_url=jiuwen_engine.base_url, api_key="sk-test", max_retries=0)
+    send(client, system_and_user(1))  # caches with_raw_response before install
+    jiuwen_hooks.install()
+    assert _released_after(client, send, jiuwen_engine) == 1
+    client.close()
+
+
+@pytest.mark.parametrize("send", [_raw, _streaming], ids=["with_raw_response", "streaming"])
+def test_uninstall_stops_an_accessor_cached_while_installed(jiuwen_engine: Any, send: Any) -> None:
+    client = openai.OpenAI(base_url=jiuwen_engine.base_url, api_key="sk-test", max_retries=0)
+    jiuwen_hooks.install()
+    assert _released_after(client, send, jiuwen_engine) == 1
+    jiuwen_hooks.uninstall()
+    jiuwen_engine.clear()
+    with jiuwen_hooks.session("after"):
+        send(client, system_and_user(2))
+        send(client, system_and_user(1))
+    assert jiuwen_engine.releases == []
+    assert all("x-session-id" not in c.headers for c in jiuwen_engine.chats)
+    client.close()
+
+
+def test_session_from_client_default_headers(jiuwen_engine: Any) -> None:
+    """LangChain's ``ChatOpenAI(default_headers={"X-Session-ID": ...})``."""
+    jiuwen_hooks.install()
+    client = openai.OpenAI(
+        base_url=jiuwen_engine.base_url,
+        api_key="sk-test",
+        max_retries=0,
+        default_headers={"X-Session-ID": "from-client"},
+    )
+    window = system_and_user(2)
+    client.chat.completions.create(model="m", messages=window)
+    client.chat.completions.create(model="m", messages=window[:2])
+    (release,) = jiuwen_engine.releases
+    assert release.body["cache_salt"] == "from-client"
+    assert release.headers["x-session-id"] == "from-client"
+    client.close()
+
+
+def test_session_from_agent_hint_and_call_headers(jiuwen_engine: Any) -> None:
+    jiuwen_hooks.install()
+    client = openai.OpenAI(base_url=jiuwen_engine.base_url, api_key="sk-test", max_retries=0)
+    window = system_and_user(2)
+    hint = {"agent_hint": {"session_id": "jiuwen-7"}}
+    client.chat.completions.create(model="m", messages=window, extra_body=hint)
+    client.chat.completions.create(model="m", messages=window[:2], extra_body=hint)
+    headers = {"X-Session-ID": "per-call"}
+    client.chat.completions.create(model="m", messages=window, extra_headers=headers)
+    client.chat.completions.create(model="m", messages=window[:1], extra_headers=headers)
+    first, second = jiuwen_engine.releases
+    assert (first.body["cache_salt"], first.body["messages_released_index"]) == ("jiuwen-7", 2)
+    assert (second.body["cache_salt"], second.body["messages_released_index"]) == ("per-call", 1)
+    assert jiuwen_engine.chats[0].body["agent_hint"] == {"session_id": "jiuwen-7"}  # kept
+    client.close()
