@@ -50,7 +50,7 @@ from ._options import Options
 from ._patch import Patches, resolve
 from ._release import EngineTarget, ReleaseClient, engine_root, release_attributes
 from ._sessions import CompressorJob, ReleasePlan, SessionTable
-from ._telemetry import Outcome, RateLimitedWarnings, Telemetry
+from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, log_triggered
 from ._windows import SERVER_HISTORY, rewritten_messages, window_of
 
 
@@ -122,6 +122,8 @@ class Hook:
         if decision.skipped is not None:
             self.telemetry.record_skip(decision.skipped)
         plan, hint, trace_headers = decision.plan, None, None
+        if plan is not None:
+            self._log_triggered(plan)
         state = self._engine_state(target)  # first contact starts the probe
         due = plan or decision.covered  # a covered release is idempotent in the engine
         if due is not None and state is EngineState.IN_REQUEST:
@@ -141,6 +143,13 @@ class Hook:
             str(call.body.get("model")),
             root=root,
             salted=hashed_with_salt(extra_body),
+        )
+
+    @staticmethod
+    def _log_triggered(plan: ReleasePlan) -> None:
+        release = plan.release
+        log_triggered(
+            plan.session_id, release.messages_released_index, release.tools_released_index
         )
 
     def _engine_state(self, target: EngineTarget) -> EngineState:
@@ -194,6 +203,7 @@ class Hook:
             if decision.skipped is not None:
                 self.telemetry.record_skip(decision.skipped)
             if decision.plan is not None and decision.job is not None:
+                self._log_triggered(decision.plan)
                 self._submit(self._send_compressor_release, decision.plan, decision.job)
         except Exception:
             self.telemetry.count("internal_errors")

@@ -200,8 +200,9 @@ class ReleaseClient:
             previous = self.engines.learn(root, EngineState.UNSUPPORTED)
             if previous is not EngineState.UNSUPPORTED:
                 logger.warning(
-                    "jiuwen_hooks: %s answered %d; KV-cache release is not supported there "
-                    "(is the vllm_affinity plugin loaded?). Not retrying for %.0f s.",
+                    "The current LLM endpoint %s does not support KV cache release (HTTP %d; is "
+                    "the vllm_affinity plugin loaded?); KV cache release will not take effect. "
+                    "Not retrying for %.0f s.",
                     url,
                     outcome.status_code,
                     self._options.unsupported_cooldown,
@@ -210,9 +211,10 @@ class ReleaseClient:
             detail = f"HTTP {outcome.status_code}" if outcome.status_code else outcome.error_type
             self._warnings.warn(
                 f"{url}:{outcome.outcome}",
-                "jiuwen_hooks: KV-cache release to %s failed (%s); the agent goes on unaffected.",
-                url,
+                "Failed to release inference-affinity KV cache: %s from %s; the agent goes on "
+                "unaffected.",
                 detail,
+                url,
             )
 
 

@@ -43,6 +43,20 @@ class Outcome:
         return self.outcome == "ok"
 
 
+def log_triggered(session_id: str, messages_index: int, tools_index: int | None) -> None:
+    """The seed's observable INFO lines (its §6.3), one set per release decided."""
+    logger.info(
+        "KV cache release triggered for session %s (msg_idx=%d, tool_idx=%s)",
+        session_id,
+        messages_index,
+        tools_index,
+    )
+    if tools_index is not None:
+        logger.info("[RELEASE REASON] Tool modified at index %d", tools_index)
+    else:
+        logger.info("[RELEASE REASON] Message modified at index %d", messages_index)
+
+
 class RateLimitedWarnings:
     """One log warning per key per interval; the number suppressed meanwhile is reported."""
 
