@@ -32,6 +32,17 @@ REQUIRED = {
         "_extract_prompt_components",
     ),
     "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion": ("create_completion",),
+    "vllm.entrypoints.openai.responses.serving.OpenAIServingResponses": (
+        "create_responses",
+        "online_renderer",
+    ),
+    "vllm.renderers.online_renderer.OnlineRenderer": ("render_responses",),
+    "vllm.entrypoints.openai.responses.protocol.ResponsesRequest": (
+        "input",
+        "instructions",
+        "tools",
+        "vllm_xargs",
+    ),
     "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest": ("vllm_xargs",),
 }
 

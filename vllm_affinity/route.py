@@ -49,24 +49,47 @@ CAPABILITIES: dict[str, Any] = {
 
 
 class ReleaseRequest(BaseModel):
-    """The body of ``POST /release_kv_cache`` (see the README for the contract)."""
+    """The body of ``POST /release_kv_cache`` (see the README for the contract).
+
+    The previous window is either a Chat Completions window (``messages``) or a Responses API
+    window (``input`` items, with ``instructions``); ``messages_released_index`` indexes the
+    window, where ``instructions`` count as its first item.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
     cache_salt: str = Field(min_length=1, max_length=512)
     cache_sharing: bool | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    input: list[dict[str, Any]] | None = None
+    instructions: str | None = None
     messages_released_index: int = Field(ge=0)
     tools: list[dict[str, Any]] | None = None
     tools_released_index: int | None = Field(default=None, ge=0)
 
+    @property
+    def is_responses(self) -> bool:
+        return self.input is not None
+
+    @property
+    def window_length(self) -> int:
+        if self.input is not None:
+            return len(self.input) + (1 if self.instructions else 0)
+        return len(self.messages or ())
+
     @model_validator(mode="after")
     def _indices_in_range(self) -> ReleaseRequest:
-        if self.messages_released_index > len(self.messages):
+        if (self.messages is None) == (self.input is None):
+            raise ValueError("give exactly one of messages (chat) or input (responses)")
+        if self.instructions is not None and self.input is None:
+            raise ValueError("instructions given without input")
+        if self.window_length == 0:
+            raise ValueError("the window is empty")
+        if self.messages_released_index > self.window_length:
             raise ValueError(
                 f"messages_released_index={self.messages_released_index} is beyond the "
-                f"{len(self.messages)} messages sent"
+                f"{self.window_length} items of the window sent"
             )
         if self.tools_released_index is not None:
             if self.tools is None:
@@ -97,6 +120,7 @@ class ReleaseService:
 
     engine_client: Any
     serving_chat: Any
+    serving_responses: Any
     block_size: int
     max_model_len: int
     api_tokens: list[bytes]
@@ -183,17 +207,20 @@ class ReleaseService:
         return bool(request.cache_sharing) and self.settings.allow_cache_sharing
 
     async def _render_cut(self, request: ReleaseRequest) -> list[int]:
-        """Tokens of the old window up to the released message (and tool): what is still valid.
+        """Tokens of the old window up to the released item (and tool): what is still valid.
         The whole window is validated (vLLM's request model, no render). Index 0 releases
-        everything: only the first message is rendered, to check the model and the template
+        everything: only the first item is rendered, to check the model and the template
         (a template may not render an empty conversation)."""
         k, j = request.messages_released_index, request.tools_released_index
-        _chat_request(request, request.messages, request.tools)
-        if k == 0:
-            await self._render(request, request.messages[:1], None)
-            return []
         tools = request.tools if j is None else (request.tools or [])[:j]
-        return await self._render(request, request.messages[:k], tools or None)
+        if request.input is not None:
+            return await self._render_responses_cut(request, k, tools)
+        messages = request.messages or []
+        _chat_request(request, messages, request.tools)
+        if k == 0:
+            await self._render(request, messages[:1], None)
+            return []
+        return await self._render(request, messages[:k], tools or None)
 
     async def _render(
         self, request: ReleaseRequest, messages: list[dict[str, Any]], tools: list[Any] | None
@@ -206,7 +233,46 @@ class ReleaseService:
         if not isinstance(rendered, tuple):  # vLLM's ErrorResponse: keep its status and text
             raise ReleaseError(rendered.error.code, rendered.error.message, rendered.error.type)
         _, engine_inputs = rendered
-        return list(self.serving_chat._extract_prompt_components(engine_inputs[0]).token_ids)
+        return self._token_ids(engine_inputs[0])
+
+    async def _render_responses_cut(
+        self, request: ReleaseRequest, k: int, tools: list[Any] | None
+    ) -> list[int]:
+        """As vLLM's Responses endpoint renders: ``instructions`` (window item 0, when given)
+        as the system message, then the ``input`` items before the released one."""
+        if self.serving_responses is None:
+            raise ReleaseError(
+                400, "this server does not serve the Responses API", "NotImplementedError"
+            )
+        items = request.input or []
+        offset = 1 if request.instructions else 0
+        _responses_request(request, items, request.instructions, request.tools)
+        if k == 0:
+            await self._render_responses(request, items[:1], None, None)
+            return []
+        return await self._render_responses(
+            request, items[: k - offset], request.instructions, tools or None
+        )
+
+    async def _render_responses(
+        self,
+        request: ReleaseRequest,
+        items: list[dict[str, Any]],
+        instructions: str | None,
+        tools: list[Any] | None,
+    ) -> list[int]:
+        responses = _responses_request(request, items, instructions, tools)
+        renderer = self.serving_responses.online_renderer
+        try:
+            rendered = await renderer.render_responses(responses)
+        except ValueError as exc:
+            raise ReleaseError(400, f"cannot render the window: {exc}") from None
+        if not hasattr(rendered, "engine_input"):  # vLLM's ErrorResponse
+            raise ReleaseError(rendered.error.code, rendered.error.message, rendered.error.type)
+        return self._token_ids(rendered.engine_input)
+
+    def _token_ids(self, engine_input: Any) -> list[int]:
+        return list(self.serving_chat._extract_prompt_components(engine_input).token_ids)
 
     async def _call_engines(self, method: str, *args: Any) -> list[dict[str, Any]]:
         core = self.engine_client.engine_core
@@ -236,6 +302,23 @@ def _chat_request(
         return ChatCompletionRequest(model=request.model, messages=messages, tools=tools)
     except ValidationError as exc:
         raise ReleaseError(400, f"invalid messages or tools: {exc.errors()[0]['msg']}") from None
+
+
+def _responses_request(
+    request: ReleaseRequest,
+    items: list[dict[str, Any]],
+    instructions: str | None,
+    tools: list[Any] | None,
+) -> Any:
+    """vLLM's own Responses request model over ``items``: a 400 when malformed."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    try:
+        return ResponsesRequest(
+            model=request.model, input=items, instructions=instructions, tools=tools or []
+        )
+    except ValidationError as exc:
+        raise ReleaseError(400, f"invalid input or tools: {exc.errors()[0]['msg']}") from None
 
 
 def _merge_status(statuses: Any) -> str:
@@ -303,7 +386,8 @@ _wrapped_serving = False
 
 
 def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
-    """Thin wrapt patches of vLLM's chat and completion entry methods (API server process only):
+    """Thin wrapt patches of vLLM's chat, completion and Responses entry methods (API server
+    process only):
     apply ``cache_sharing`` and the in-request hint to the parsed request before vLLM handles it.
     A malformed hint is answered with vLLM's own 400 error. Idempotent."""
     global _wrapped_serving
@@ -312,6 +396,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
     import wrapt
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     def before(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         request = args[0] if args else kwargs["request"]
@@ -329,6 +414,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
 
     wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before)
     wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
+    wrapt.wrap_function_wrapper(OpenAIServingResponses, "create_responses", before)
     _wrapped_serving = True
 
 
