@@ -8,6 +8,10 @@ PIP    := $(PY) -m pip --quiet --disable-pip-version-check
 DEV    := $(VENV)/.installed-dev
 SERVER := $(VENV)/.installed-server
 MODEL  := .cache/tiny-llama/jiuwen-recipe.json
+# llama-index pins openai<3: its integration test runs in a virtualenv of its own (client only).
+LI_VENV := .venv-llamaindex
+LI_PY   := $(LI_VENV)/bin/python
+LI      := $(LI_VENV)/.installed
 
 .PHONY: demo test test-client lint format bench bench-client bench-server bench-agents model clean
 
@@ -25,6 +29,12 @@ $(SERVER): $(DEV)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
+$(LI): pyproject.toml
+	@test -x $(LI_PY) || $(PYTHON) -m venv $(LI_VENV)
+	$(LI_PY) -m pip --quiet --disable-pip-version-check install -e '.[otel]' \
+		'llama-index-llms-openai-like>=0.5' pytest pytest-asyncio
+	@touch $@
+
 $(MODEL): $(SERVER) vllm_affinity/tiny_model.py
 	$(PY) -m vllm_affinity build-model
 
@@ -34,9 +44,11 @@ model: $(MODEL)
 demo: $(MODEL)
 	$(PY) examples/demo.py
 
-## test: lint, then the whole test suite (client, core, adapter on real vLLM classes, end to end)
-test: $(MODEL) lint
+## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
+## end to end), then the llama-index integration in its own virtualenv
+test: $(MODEL) $(LI) lint
 	$(PY) -m pytest
+	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
 
 ## test-client: the client half only (no vLLM needed)
 test-client: $(DEV) lint
@@ -67,4 +79,4 @@ bench-agents: $(MODEL)
 	$(PY) benchmarks/agent_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(LI_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
