@@ -1,4 +1,5 @@
-"""Hook overhead per chat call on append-only turns, hooked vs unhooked, side by side.
+"""Hook overhead per model call on append-only turns, hooked vs unhooked, side by side, for both
+APIs (Chat Completions and Responses).
 
 Both sides run in one process against the same loopback ``LocalEngine`` with the real openai
 client, in alternating rounds (so machine noise hits both alike); the figure is the ratio of
@@ -21,7 +22,10 @@ import openai
 from _common import write_json
 
 import jiuwen_hooks
+from jiuwen_hooks._context import ModelCall
 from jiuwen_hooks.testing import LocalEngine
+
+APIS = ("chat", "responses")
 
 SIZES = (10, 100, 1000)
 CALLS = {10: 200, 100: 200, 1000: 60}
@@ -35,37 +39,80 @@ def window(n: int) -> list[dict[str, str]]:
     return msgs
 
 
-def one_round(client: openai.OpenAI, n: int, calls: int, session: str) -> float:
+def body(api: str, msgs: list[dict[str, str]]) -> dict[str, Any]:
+    """The same window as either API's request: Responses takes the system message as
+    ``instructions`` and the rest as ``input`` items."""
+    if api == "chat":
+        return {"model": "m", "messages": msgs, "max_tokens": 1}
+    return {
+        "model": "m",
+        "instructions": msgs[0]["content"],
+        "input": msgs[1:],
+        "max_output_tokens": 1,
+    }
+
+
+def one_round(client: openai.OpenAI, api: str, n: int, calls: int, session: str) -> float:
     """Median seconds per call over ``calls`` append-only turns starting at ``n`` messages."""
     msgs = window(n)
+    send = client.chat.completions.create if api == "chat" else client.responses.create
     times = []
     with jiuwen_hooks.session(session):
         for i in range(calls):
             msgs.append({"role": "user", "content": f"turn {i}"})
+            kwargs = body(api, msgs)
             start = time.perf_counter()
-            client.chat.completions.create(model="m", messages=msgs, max_tokens=1)
+            send(**kwargs)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def diff_cost(n: int, repeats: int = 300) -> float:
+def diff_cost(api: str, n: int, repeats: int = 300) -> float:
     """Seconds per ``before_call`` (canonicalise + diff + inject) on an append-only turn with an
     ``n``-message window: each repeat primes a fresh session with ``n - 1`` messages, then times
     the call that appends the n-th."""
-    hook = jiuwen_hooks.install()
-    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")
-    completions = client.chat.completions
+    hook = jiuwen_hooks.install(in_request=False)
     msgs = window(n)
+    base = "http://127.0.0.1:9/v1"
+    shorter = ModelCall(api, body(api, msgs[:-1]), base_url=base, api_key="k")
+    longer = ModelCall(api, body(api, msgs), base_url=base, api_key="k")
     total = 0.0
     for i in range(repeats):
         with jiuwen_hooks.session(f"diff-{i}"):
-            hook.before_call(completions, {"model": "m", "messages": msgs[:-1]})
+            hook.before_call(lambda: shorter)
             start = time.perf_counter()
-            hook.before_call(completions, {"model": "m", "messages": msgs})
+            hook.before_call(lambda: longer)
             total += time.perf_counter() - start
     jiuwen_hooks.uninstall()
-    client.close()
     return total / repeats
+
+
+def measure(
+    client: openai.OpenAI, engine: LocalEngine, api: str, n: int, rounds: int
+) -> dict[str, Any]:
+    """Alternating rounds, unhooked first in even rounds and hooked first in odd ones."""
+    plain: list[float] = []
+    hooked: list[float] = []
+    for r in range(rounds):
+        for hook_on in (r % 2 == 1, r % 2 == 0):
+            if hook_on:
+                jiuwen_hooks.install(in_request=False)
+            try:
+                side = hooked if hook_on else plain
+                side.append(one_round(client, api, n, CALLS[n], f"{hook_on}-{api}-{n}-{r}"))
+            finally:
+                jiuwen_hooks.uninstall()
+        engine.clear()
+        print(f"  {api} window {n:>4}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    p, h = statistics.median(plain), statistics.median(hooked)
+    cost = diff_cost(api, n)
+    return {
+        "unhooked_ms": round(p * 1e3, 3),
+        "hooked_ms": round(h * 1e3, 3),
+        "ratio": round(h / p, 4),
+        "before_call_us": round(cost * 1e6, 1),
+        "before_call_us_per_message": round(cost * 1e6 / n, 3),
+    }
 
 
 def main() -> int:
@@ -73,33 +120,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/hook_overhead.json")
     args = parser.parse_args()
-    results: dict[str, Any] = {"rounds": args.rounds, "sizes": {}}
+    results: dict[str, Any] = {"rounds": args.rounds, "apis": {}}
     with (
         LocalEngine() as engine,
         openai.OpenAI(base_url=engine.base_url, api_key="k", max_retries=0) as client,
     ):
-        one_round(client, 10, 20, "warm-up")
-        for n in SIZES:
-            plain, hooked = [], []
-            for r in range(args.rounds):
-                plain.append(one_round(client, n, CALLS[n], f"plain-{n}-{r}"))
-                jiuwen_hooks.install()
-                try:
-                    hooked.append(one_round(client, n, CALLS[n], f"hooked-{n}-{r}"))
-                finally:
-                    jiuwen_hooks.uninstall()
-                engine.clear()
-                print(f"  window {n:>4}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-            p, h = statistics.median(plain), statistics.median(hooked)
-            cost = diff_cost(n)
-            results["sizes"][n] = {
-                "unhooked_ms": round(p * 1e3, 3),
-                "hooked_ms": round(h * 1e3, 3),
-                "ratio": round(h / p, 4),
-                "before_call_us": round(cost * 1e6, 1),
-                "before_call_us_per_message": round(cost * 1e6 / n, 3),
-            }
-            print(f"window {n:>4}: {json.dumps(results['sizes'][n])}", flush=True)
+        for api in APIS:
+            one_round(client, api, 10, 20, "warm-up")
+            sizes = results["apis"][api] = {}
+            for n in SIZES:
+                sizes[n] = measure(client, engine, api, n, args.rounds)
+                print(f"{api:>9} window {n:>4}: {json.dumps(sizes[n])}", flush=True)
     write_json(args.out, results, echo=False)
     print(f"wrote {args.out}")
     return 0
