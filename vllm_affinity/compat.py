@@ -16,13 +16,13 @@ REQUIRED = {
         "get_all_free_blocks",
         "iter_blocks_after",
     ),
-    "vllm.v1.core.block_pool.BlockPool": ("get_new_blocks", "free_blocks", "touch"),
+    "vllm.v1.core.block_pool.BlockPool": ("get_new_blocks", "free_blocks", "touch", "blocks"),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": (
         "allocate_slots",
         "free",
         "pop_blocks_for_free",
     ),
-    "vllm.v1.core.sched.scheduler.Scheduler": ("add_request",),
+    "vllm.v1.core.sched.scheduler.Scheduler": ("add_request", "has_requests"),
     "vllm.v1.core.kv_cache_utils.KVCacheBlock": ("block_hash",),
     "vllm.v1.request.Request": ("block_hashes",),
     "vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat": (

@@ -7,7 +7,8 @@
 - ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
   request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
   blocks it releases can serve that very request's allocation.
-- ``EngineCore.affinity_release_prompt`` / ``affinity_stats``: called from the API server through
+- ``EngineCore.affinity_release_prompt`` / ``affinity_stats`` / ``affinity_check``: called from
+  the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
   no locking against the scheduler is needed.
 
@@ -46,31 +47,34 @@ class PoolAffinity:
     """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), the session
     table, and which blocks of each running request are already bound."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, max_sessions: int = 100_000) -> None:
         self.pool = pool
         self.queue = SegmentedFreeBlockQueue(pool.free_block_queue.get_all_free_blocks())
         pool.free_block_queue = self.queue
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
-        self.sessions = SessionBlocks()
+        self.sessions = SessionBlocks(max_sessions)
         self._bound: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
 
     def bind_request(self, session: str, request_id: str, blocks: list[Any], prompt: int) -> None:
-        """Bind the request's blocks not bound yet; record them as the session's latest."""
+        """Record the request's blocks as its session's latest, once per growth of its block
+        list (not per token)."""
         already = self._bound.get(request_id, 0)
         if len(blocks) == already:
             return
-        new_ids = [b.block_id for b in blocks[already:] if not b.is_null]
-        self.sessions.bind(session, new_ids)
-        for block_id in new_ids:  # a live user again: must not go to RELEASED when freed
-            self.queue.cancel_pending(block_id)
+        for block in blocks[already:]:  # a live user again: must not go to RELEASED when freed
+            if not block.is_null:
+                self.queue.cancel_pending(block.block_id)
         self._bound[request_id] = len(blocks)
-        self.sessions.record(session, [b.block_id for b in blocks if not b.is_null], prompt)
+        ids = [b.block_id for b in blocks if not b.is_null]
+        self.sessions.record(session, ids, prompt, request_id)
 
-    def request_done(self, request_id: str) -> None:
+    def request_done(self, session: str, request_id: str) -> None:
+        """The request freed its blocks (finished, aborted or preempted)."""
         self._bound.pop(request_id, None)
+        self.sessions.request_finished(session, request_id)
 
     def release(self, session: str, first_block: int, mode: str = "post") -> dict[str, Any]:
         """Release the session's latest blocks from block index ``first_block`` on."""
@@ -140,10 +144,38 @@ class PoolAffinity:
             "segments": self.queue.segment_sizes(),
             "pending": self.queue.num_pending,
             "released_reused": self.queue.released_reused,
-            "sessions": len(self.sessions.latest),
+            "sessions": len(self.sessions),
+            "bindings": self.sessions.bindings,
+            "sessions_evicted": self.sessions.evicted,
             "num_blocks": self.pool.num_gpu_blocks,
             **dict(self.counters),
         }
+
+    def check(self, idle: bool) -> list[str]:
+        """Invariant violations of the pool, the queue and the session table (empty when all
+        hold). ``idle``: no request is running, so nothing may be in use or pending."""
+        queue, problems = self.queue, self.sessions.check()
+        sizes = queue.segment_sizes()
+        if sum(sizes.values()) != queue.num_free_blocks:
+            problems.append(f"segments {sizes} do not sum to {queue.num_free_blocks} free")
+        free = {b.block_id for b in queue.get_all_free_blocks()}
+        in_use = 0
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            in_use += block.ref_cnt > 0
+            if (block.ref_cnt == 0) != (block.block_id in free):
+                where = "in" if block.block_id in free else "not in"
+                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt}, {where} queue")
+        real = sum(1 for b in self.pool.blocks if not b.is_null)
+        if len(free) + in_use != real:
+            problems.append(f"{len(free)} free + {in_use} in use != {real} blocks")
+        if idle and (in_use or queue.num_pending or self._bound):
+            problems.append(
+                f"idle, yet {in_use} blocks in use, {queue.num_pending} pending, "
+                f"{len(self._bound)} requests bound"
+            )
+        return problems
 
 
 def affinity_of(pool: Any) -> PoolAffinity | None:
@@ -166,9 +198,12 @@ def _bind(manager: Any, request: Any) -> PoolAffinity | None:
 # -- wrappers --------------------------------------------------------------------------------
 
 
-def _block_pool_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-    wrapped(*args, **kwargs)
-    instance._jiuwen_affinity = PoolAffinity(instance)
+def _make_block_pool_init(settings: Settings) -> Any:
+    def _block_pool_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        wrapped(*args, **kwargs)
+        instance._jiuwen_affinity = PoolAffinity(instance, settings.max_sessions)
+
+    return _block_pool_init
 
 
 def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -193,8 +228,9 @@ def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     try:
         return wrapped(*args, **kwargs)
     finally:
-        if state is not None:
-            state.request_done(request.request_id)
+        session = _session_of(request)
+        if state is not None and session:
+            state.request_done(session, request.request_id)
 
 
 def _make_add_request(settings: Settings) -> Any:
@@ -240,6 +276,14 @@ def affinity_release_prompt(
     return state.release_divergent(session, probe.block_hashes, "post", require_common_prefix=True)
 
 
+def affinity_check(self: Any) -> dict[str, Any]:
+    """EngineCore utility: the invariants, checked between scheduler steps."""
+    state = _engine_state(self)
+    scheduler = self.scheduler
+    idle = not scheduler.has_requests()
+    return {"idle": idle, "problems": state.check(idle), **state.stats()}
+
+
 def affinity_stats(self: Any) -> dict[str, Any]:
     """EngineCore utility: segment sizes and counters."""
     return _engine_state(self).stats()
@@ -256,12 +300,14 @@ def apply_engine_patches() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    wrapt.wrap_function_wrapper(BlockPool, "__init__", _block_pool_init)
+    settings = Settings.from_env()
+    wrapt.wrap_function_wrapper(BlockPool, "__init__", _make_block_pool_init(settings))
     wrapt.wrap_function_wrapper(BlockPool, "get_new_blocks", _get_new_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "allocate_slots", _allocate_slots)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
-    wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(Settings.from_env()))
+    wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
     EngineCore.affinity_release_prompt = affinity_release_prompt
     EngineCore.affinity_stats = affinity_stats
+    EngineCore.affinity_check = affinity_check
     _applied = True

@@ -48,12 +48,24 @@ class _EngineCollector:
             "Blocks released in the engine (moved or pending), by path",
             labels=["mode", "engine"],
         )
+        sessions = GaugeMetricFamily(
+            "vllm_affinity_sessions",
+            "Sessions tracked (bounded by VLLM_AFFINITY_MAX_SESSIONS)",
+            labels=["engine"],
+        )
+        bindings = GaugeMetricFamily(
+            "vllm_affinity_bindings",
+            "Session-block pairs held by the tracked sessions' latest requests",
+            labels=["engine"],
+        )
         for index, stats in enumerate(engines):
             engine = str(index)
             for segment, count in stats["segments"].items():
                 blocks.add_metric([segment, engine], count)
             pending.add_metric([engine], stats["pending"])
             reused.add_metric([engine], stats["released_reused"])
+            sessions.add_metric([engine], stats.get("sessions", 0))
+            bindings.add_metric([engine], stats.get("bindings", 0))
             for mode in RELEASE_MODES:
                 releases.add_metric([mode, engine], stats.get(f"releases_{mode}", 0))
                 released.add_metric([mode, engine], stats.get(f"blocks_released_{mode}", 0))
@@ -62,6 +74,8 @@ class _EngineCollector:
         yield reused
         yield releases
         yield released
+        yield sessions
+        yield bindings
 
 
 class AffinityMetrics:

@@ -160,11 +160,29 @@ class ReleaseService:
         digest = hashlib.sha256(token.encode()).digest()
         return any(secrets.compare_digest(digest, t) for t in self.api_tokens)
 
+    async def _read_body(self, raw: Request) -> bytes:
+        """The body, refused with 413 past ``max_body_bytes`` (checked on the declared length
+        and again while reading, for bodies sent without one)."""
+        limit = self.settings.max_body_bytes
+        declared = raw.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ReleaseError(413, f"request body over {limit} bytes", "PayloadTooLargeError")
+        chunks, size = [], 0
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ReleaseError(413, f"request body over {limit} bytes", "PayloadTooLargeError")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _parse(self, raw: Request) -> ReleaseRequest:
+        body = await self._read_body(raw)
         try:
-            data = json.loads(await raw.body())
+            data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ReleaseError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ReleaseError(400, "request body is nested too deeply") from None
         try:
             return ReleaseRequest.model_validate(data)
         except ValidationError as exc:
@@ -172,6 +190,8 @@ class ReleaseService:
                 f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
             )
             raise ReleaseError(400, f"invalid release request: {problems}") from None
+        except RecursionError:
+            raise ReleaseError(400, "request body is nested too deeply") from None
 
     async def _release(self, request: ReleaseRequest) -> dict[str, Any]:
         if self.engine_client.errored:
@@ -348,6 +368,21 @@ async def affinity_stats(raw: Request) -> JSONResponse:
         return JSONResponse(await service.stats())
     except ReleaseError as exc:
         return error_response(exc.status, exc.message, exc.kind)
+
+
+@router.get("/affinity/check")
+async def affinity_check(raw: Request) -> JSONResponse:
+    """The plugin's invariants in every engine (free queue, pool, session table): for soak
+    tests and operators. O(blocks + bindings) in the engine core: not for tight loops."""
+    service = _service(raw)
+    if service.api_tokens and not service._authorised(raw):
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    try:
+        engines = await service._call_engines("affinity_check")
+    except ReleaseError as exc:
+        return error_response(exc.status, exc.message, exc.kind)
+    ok = all(not e["problems"] for e in engines)
+    return JSONResponse({"ok": ok, "engines": engines})
 
 
 def _service(raw: Request) -> ReleaseService:

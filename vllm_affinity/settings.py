@@ -24,6 +24,11 @@ class Settings:
     #: (parallel samples, retries from an earlier turn, sub-agents sharing one id) would release
     #: the blocks of a branch it is about to continue.
     release_on_divergence: bool = False
+    #: Sessions each engine tracks (least recently active out first). Memory: about 16 bytes per
+    #: block of each tracked session's latest request, plus a counter per cached block.
+    max_sessions: int = 100_000
+    #: Largest ``/release_kv_cache`` body accepted; larger ones get 413.
+    max_body_bytes: int = 32 * 1024 * 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -49,4 +54,17 @@ class Settings:
             allow_cache_sharing=sharing == "allow",
             stats_interval=seconds,
             release_on_divergence=divergence in _TRUE,
+            max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
+            max_body_bytes=_positive_int(env, "VLLM_AFFINITY_MAX_BODY_BYTES", 32 * 1024 * 1024),
         )
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return value

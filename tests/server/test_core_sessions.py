@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from vllm_affinity.core import SessionBlocks, common_prefix_length
 
 
 def table_with(*sessions: tuple[str, list[int]]) -> SessionBlocks:
     table = SessionBlocks()
     for session, blocks in sessions:
-        table.bind(session, blocks)
         table.record(session, blocks, num_prompt_tokens=len(blocks) * 32)
     return table
 
@@ -33,9 +38,10 @@ def test_shared_blocks_are_kept_until_the_last_user_releases() -> None:
 def test_reused_block_is_not_released_by_its_old_session() -> None:
     table = table_with(("a", [1, 2]))
     table.unbind([2])  # block 2 reused for another request's new content
-    table.bind("c", [2])
+    table.record("c", [2], 32)
     assert table.select_release("a", 0).block_ids == [1]
-    assert table.owners[2] == {"c"}
+    assert table.holders(2) == 1  # c's
+    assert table.select_release("c", 0).block_ids == [2]
 
 
 def test_unknown_session() -> None:
@@ -49,9 +55,160 @@ def test_session_table_is_bounded() -> None:
     for s in "abc":
         table.record(s, [1], 1)
     assert list(table.latest) == ["b", "c"]
+    assert table.holders(1) == 2 and table.bindings == 2 and table.evicted == 1
 
 
 def test_token_math() -> None:
     assert common_prefix_length([1, 2, 3, 4], [1, 2, 9]) == 2
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([], [1]) == 0
+
+
+# -- the invariants, under any sequence of requests, reuse, releases, preemption and eviction ---
+
+N_BLOCKS, MAX_SESSIONS = 12, 4
+
+
+class SessionMachine(RuleBasedStateMachine):
+    """Model: each session's latest request as (block, generation) pairs and how many of them it
+    still holds; the holder counts are recomputed from it by brute force."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = SessionBlocks(max_sessions=MAX_SESSIONS)
+        self.generation = [0] * N_BLOCKS
+        self.model: dict[str, tuple[str, list[tuple[int, int]], int]] = {}  # request, pairs, held
+        self.running: set[str] = set()  # sessions whose latest request still runs
+        self.order: list[str] = []  # least recently recorded first
+        self.requests = 0
+
+    def _record(self, session: str, request: str, blocks: list[int]) -> None:
+        self.table.record(session, blocks, len(blocks) * 32, request)
+        self.running.add(session)
+        self.model[session] = (request, [(b, self.generation[b]) for b in blocks], len(blocks))
+        if session in self.order:
+            self.order.remove(session)
+        self.order.append(session)
+        while len(self.order) > MAX_SESSIONS:
+            del self.model[self.order.pop(0)]
+
+    def _holders(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for _, pairs, held in self.model.values():
+            for block, generation in pairs[:held]:
+                if self.generation[block] == generation:
+                    counts[block] = counts.get(block, 0) + 1
+        return counts
+
+    @rule(
+        session=st.sampled_from("abcdef"),
+        blocks=st.lists(st.integers(0, N_BLOCKS - 1), min_size=1, max_size=5, unique=True),
+    )
+    def new_request(self, session: str, blocks: list[int]) -> None:
+        self.requests += 1
+        self._record(session, f"r{self.requests}", blocks)
+
+    @rule(data=st.data())
+    def request_grows(self, data: st.DataObject) -> None:
+        running = sorted(self.running & set(self.model))
+        if not running:
+            return
+        session = data.draw(st.sampled_from(running))
+        request, pairs, _ = self.model[session]
+        current = [b for b, _ in pairs]
+        extra = data.draw(st.lists(st.integers(0, N_BLOCKS - 1), max_size=3, unique=True))
+        self._record(session, request, current + [b for b in extra if b not in current])
+
+    @rule(data=st.data())
+    def request_finishes(self, data: st.DataObject) -> None:
+        """Finished, aborted or preempted: its blocks are freed and may be reused."""
+        running = sorted(self.running & set(self.model))
+        if not running:
+            return
+        session = data.draw(st.sampled_from(running))
+        self.table.request_finished(session, self.model[session][0])
+        self.running.discard(session)
+
+    @rule(data=st.data())
+    def preempted_request_resumes(self, data: st.DataObject) -> None:
+        """A preempted request comes back under the same id, with the same or other blocks."""
+        stopped = sorted(set(self.model) - self.running)
+        if not stopped:
+            return
+        session = data.draw(st.sampled_from(stopped))
+        request = self.model[session][0]
+        blocks = data.draw(st.lists(st.integers(0, N_BLOCKS - 1), min_size=1, max_size=4))
+        self._record(session, request, list(dict.fromkeys(blocks)))
+
+    @rule(blocks=st.lists(st.integers(0, N_BLOCKS - 1), min_size=1, max_size=3, unique=True))
+    def reused_for_new_content(self, blocks: list[int]) -> None:
+        in_use = {b for s in self.running & set(self.model) for b, _ in self.model[s][1]}
+        blocks = [b for b in blocks if b not in in_use]  # a running request's blocks stay put
+        self.table.unbind(blocks)
+        for b in blocks:
+            self.generation[b] += 1
+
+    @rule(session=st.sampled_from("abcdefz"), first=st.integers(0, 6))
+    def release(self, session: str, first: int) -> None:
+        before = self._holders()
+        selection = self.table.select_release(session, first)
+        if session not in self.model:
+            assert selection.status == "unknown_session" and selection.block_ids == []
+            return
+        request, pairs, held = self.model[session]
+        dropped = [b for b, g in pairs[first:held] if self.generation[b] == g]
+        self.model[session] = (request, pairs, min(held, first))
+        after = self._holders()
+        # released exactly the dropped blocks nobody else holds; the others are kept
+        assert sorted(selection.block_ids) == sorted(b for b in dropped if b not in after)
+        assert selection.kept_shared == sum(1 for b in dropped if b in after)
+        assert all(before[b] >= 1 for b in dropped)
+
+    @rule(session=st.sampled_from("abcdef"))
+    def forget(self, session: str) -> None:
+        self.table.forget(session)
+        if session in self.model:
+            del self.model[session]
+            self.order.remove(session)
+            self.running.discard(session)
+
+    @invariant()
+    def holder_counts_match_the_model(self) -> None:
+        counts = self._holders()
+        assert {b: self.table.holders(b) for b in range(N_BLOCKS) if self.table.holders(b)} == (
+            counts
+        )
+        assert self.table.bindings == sum(counts.values())
+        assert len(self.table) == len(self.model) <= MAX_SESSIONS
+
+
+TestSessionMachine = SessionMachine.TestCase
+TestSessionMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def retained_bytes(table: SessionBlocks) -> int:
+    """What the table keeps alive: its dicts, and per session the key, record and arrays."""
+    size = sum(sys.getsizeof(d) for d in (table.latest, table._holders, table._generation))
+    for key, record in table.latest.items():
+        size += sys.getsizeof(key) + sys.getsizeof(record)
+        size += sys.getsizeof(record.block_ids) + sys.getsizeof(record.generations)
+        size += sys.getsizeof(record.request_id)
+    return size
+
+
+def test_a_million_sessions_stay_bounded() -> None:
+    """A million sessions sharing an 8-block system prompt pass through a 10,000-session table:
+    the shared blocks keep one counter each, and memory stays what 10,000 records need."""
+    shared = list(range(8))
+    table = SessionBlocks(max_sessions=10_000)
+    sizes = []
+    for i in range(1_000_000):
+        table.record(f"session-{i}", [*shared, 100 + i % 5000], 9 * 32, f"r{i}")
+        if i + 1 in (100_000, 1_000_000):
+            sizes.append(retained_bytes(table))
+    assert len(table) == 10_000 and table.evicted == 990_000
+    assert table.holders(0) == 10_000 and table.bindings == 90_000
+    assert sizes[1] <= sizes[0] * 1.05  # nothing grows with the sessions churned through
+    per_session = sizes[1] / len(table)
+    print(f"retained {sizes[1]:,} bytes: {per_session:.0f} per tracked session (9 blocks)")
+    assert per_session < 1_000

@@ -1,16 +1,23 @@
-"""Pure core: which sessions use which KV blocks (no vLLM import).
+"""Pure core: which sessions hold which KV blocks, in bounded memory (no vLLM import).
 
-``owners``: block id → sessions whose requests used the block (allocated or prefix-hit).
-``latest``: session → the block ids of its latest request, in token order (prompt blocks,
-generated-token blocks and the partial tail alike), with that request's prompt length.
+Each tracked session has one record: the block ids of its latest request, in token order (prompt
+blocks, generated-token blocks and the partial tail alike), with that request's prompt length.
+The record *holds* its blocks while they keep the content they had: a block reused for new
+content gets a new generation, and records that name it with the old one no longer hold it.
 
-A release by session S from block index b walks ``latest[S][b:]``: S stops owning each block;
-a block nobody else owns is returned for release, one still owned by another session is kept.
-A block that is reused for new content is unbound, so owners never go stale.
+Per block only a count of holding records is kept, so a prefix shared by many sessions costs one
+counter, not one entry per session: memory is O(blocks) for the counters plus 8 bytes per block
+of the latest request per tracked session, and the table keeps at most ``max_sessions`` sessions
+(least recently recorded first out; a session that leaves stops holding its blocks).
+
+A release by session S from block index b: S's record stops holding its blocks from b on (what
+a record holds is always a prefix of it); a block no other record holds is returned for release,
+one still held by another session is kept (``kept_shared``).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,43 +25,92 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class SessionRecord:
-    block_ids: list[int]
+    """A session's latest request: its blocks (with the generation each had when recorded) and
+    how many of them, from the start, the record still holds."""
+
+    request_id: str | None  # None once the request finished (or was preempted)
+    block_ids: array[int]
+    generations: array[int]
     num_prompt_tokens: int
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseSelection:
     """Outcome of a release request on the session table."""
 
-    block_ids: list[int] = field(default_factory=list)  # nobody else uses them: release
-    kept_shared: int = 0  # still used by another session
+    block_ids: list[int] = field(default_factory=list)  # nobody else holds them: release
+    kept_shared: int = 0  # still held by another session
     status: str = "ok"  # "ok" | "unknown_session" | "record_mismatch"
 
 
 class SessionBlocks:
-    """Bounded session → blocks table with per-block owner sets."""
+    """Bounded session → latest-request blocks table with a holder count per block."""
 
     def __init__(self, max_sessions: int = 100_000) -> None:
-        self.owners: dict[int, set[str]] = {}
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
         self.latest: OrderedDict[str, SessionRecord] = OrderedDict()
+        self._holders: dict[int, int] = {}  # block id → records holding its current content
+        self._generation: dict[int, int] = {}  # block id → times reused for new content
         self._max_sessions = max_sessions
+        self.bindings = 0  # (session, block) pairs held: the sum of the holder counts
+        self.evicted = 0
 
-    def record(self, session: str, block_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        """The session's latest request now holds exactly ``block_ids`` (token order)."""
-        self.latest[session] = SessionRecord(list(block_ids), num_prompt_tokens)
+    def __len__(self) -> int:
+        return len(self.latest)
+
+    def holders(self, block_id: int) -> int:
+        return self._holders.get(block_id, 0)
+
+    def record(
+        self, session: str, block_ids: Sequence[int], num_prompt_tokens: int, request_id: str = ""
+    ) -> None:
+        """The session's latest request (``request_id``) now holds exactly ``block_ids``. A
+        request that only grew since it was last recorded (still running: none of its blocks can
+        have been reused) costs only its new blocks."""
+        old = self.latest.get(session)
+        if (
+            old is not None
+            and old.request_id is not None
+            and old.request_id == request_id
+            and old.held == len(old.block_ids)
+            and len(block_ids) >= old.held
+            and old.block_ids == array("i", block_ids[: old.held])
+        ):
+            self._hold(old, block_ids[old.held :])
+            old.num_prompt_tokens = num_prompt_tokens
+            self.latest.move_to_end(session)
+            return
+        new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
+        self._hold(new, block_ids)
+        if old is not None:
+            self._let_go(old, 0)
+        self.latest[session] = new
         self.latest.move_to_end(session)
         while len(self.latest) > self._max_sessions:
-            self.latest.popitem(last=False)
+            _, evicted = self.latest.popitem(last=False)
+            self._let_go(evicted, 0)
+            self.evicted += 1
 
-    def bind(self, session: str, block_ids: Iterable[int]) -> None:
-        """The session's request started using these blocks (new or prefix hits)."""
-        for block_id in block_ids:
-            self.owners.setdefault(block_id, set()).add(session)
+    def request_finished(self, session: str, request_id: str) -> None:
+        """The request freed its blocks (finished, aborted or preempted): they may be reused, so
+        a later record under the same id (a preempted request resuming) starts afresh."""
+        record = self.latest.get(session)
+        if record is not None and record.request_id == request_id:
+            record.request_id = None
+
+    def forget(self, session: str) -> None:
+        """The session leaves the table: it holds nothing any more."""
+        record = self.latest.pop(session, None)
+        if record is not None:
+            self._let_go(record, 0)
 
     def unbind(self, block_ids: Iterable[int]) -> None:
-        """These blocks are being reused for new content: nobody owns the old content."""
+        """These blocks are being reused for new content: no record holds them any more."""
         for block_id in block_ids:
-            self.owners.pop(block_id, None)
+            self._generation[block_id] = self._generation.get(block_id, 0) + 1
+            self.bindings -= self._holders.pop(block_id, 0)
 
     def select_release(self, session: str, first_block: int) -> ReleaseSelection:
         """Blocks to release for ``session`` from block index ``first_block`` of its latest
@@ -62,16 +118,56 @@ class SessionBlocks:
         record = self.latest.get(session)
         if record is None:
             return ReleaseSelection(status="unknown_session")
+        released, kept = self._let_go(record, first_block)
+        return ReleaseSelection(released, kept)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _hold(self, record: SessionRecord, block_ids: Sequence[int]) -> None:
+        holders, generation = self._holders, self._generation
+        for block_id in block_ids:
+            record.block_ids.append(block_id)
+            record.generations.append(generation.get(block_id, 0))
+            holders[block_id] = holders.get(block_id, 0) + 1
+        record.held = len(record.block_ids)
+        self.bindings += len(block_ids)
+
+    def _let_go(self, record: SessionRecord, first: int) -> tuple[list[int], int]:
+        """The record stops holding its blocks from index ``first`` on; returns the blocks no
+        record holds any more and how many are still held by others."""
         released: list[int] = []
         kept = 0
-        for block_id in record.block_ids[first_block:]:
-            owners = self.owners.get(block_id)
-            if owners is None or session not in owners:
-                continue  # already released by this session, or reused since
-            owners.discard(session)
-            if owners:
+        holders, generation = self._holders, self._generation
+        for i in range(first, record.held):
+            block_id = record.block_ids[i]
+            if generation.get(block_id, 0) != record.generations[i]:
+                continue  # reused since: this record does not hold the new content
+            count = holders.get(block_id, 0) - 1
+            self.bindings -= 1
+            if count > 0:
+                holders[block_id] = count
                 kept += 1
             else:
-                del self.owners[block_id]
+                holders.pop(block_id, None)
                 released.append(block_id)
-        return ReleaseSelection(released, kept)
+        record.held = min(record.held, first)
+        return released, kept
+
+    def check(self) -> list[str]:
+        """Invariant violations (empty when consistent): every holder count equals the number
+        of records holding the block's current content, and ``bindings`` is their sum."""
+        counts: dict[int, int] = {}
+        for record in self.latest.values():
+            for i in range(record.held):
+                block_id = record.block_ids[i]
+                if self._generation.get(block_id, 0) == record.generations[i]:
+                    counts[block_id] = counts.get(block_id, 0) + 1
+        problems = [
+            f"block {b}: {self._holders.get(b, 0)} holders counted, {counts.get(b, 0)} records"
+            for b in sorted(set(counts) | set(self._holders))
+            if counts.get(b, 0) != self._holders.get(b, 0)
+        ]
+        if self.bindings != sum(counts.values()):
+            problems.append(f"bindings {self.bindings} != {sum(counts.values())} held")
+        if len(self.latest) > self._max_sessions:
+            problems.append(f"{len(self.latest)} sessions over the limit {self._max_sessions}")
+        return problems
