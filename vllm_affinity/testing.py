@@ -215,6 +215,14 @@ class VLLMServer:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
 
+    def kill(self) -> None:
+        """SIGKILL the whole server (API server and engine core), as a crash would; ``start()``
+        brings it back on the same port."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
     def __enter__(self) -> VLLMServer:
         return self.start()
 

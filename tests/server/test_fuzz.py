@@ -158,7 +158,7 @@ def test_fuzzed_release_header(vllm_affinity_server: VLLMServer, http: httpx.Cli
         suppress_health_check=list(HealthCheck),
         derandomize=True,
     )
-    @given(value=st.text(string.printable.strip() + " ", max_size=60))
+    @given(value=st.text(string.printable.strip() + " ", max_size=60).map(str.strip))
     def one(value: str) -> None:
         headers = {**server.headers(), "X-Session-ID": "fuzz-hint", "X-KV-Release": value}
         response = http.post("/v1/chat/completions", json=body, headers=headers)
