@@ -34,6 +34,8 @@ class _Entry:
     expires: float = 0.0
     #: When the engine may be probed next (``inf`` while a probe is in flight).
     next_probe: float = 0.0
+    #: Until when releases are not sent after a timeout or a failed connection.
+    unreachable_until: float = 0.0
 
 
 def state_from_capabilities(capabilities: Any) -> EngineState:
@@ -94,15 +96,25 @@ class EngineDirectory:
             elif route_missing and entry.state is EngineState.IN_REQUEST:
                 entry.state = EngineState.UNKNOWN
 
-    def cooling_down(self, root: str) -> bool:
-        """An ``unsupported`` engine within its cool-down: send nothing."""
+    def unreachable(self, root: str, seconds: float) -> None:
+        """A release timed out or could not connect: send none for ``seconds``, so the agent is
+        delayed by the timeout at most once per cool-down."""
+        with self._lock:
+            self._entries.setdefault(root, _Entry()).unreachable_until = self._clock() + seconds
+
+    def cooling_down(self, root: str) -> str | None:
+        """Why nothing is sent to ``root`` now: ``"unsupported"`` (answered 404/405) or
+        ``"unreachable"`` (timed out or refused), within their cool-downs; else ``None``."""
+        now = self._clock()
         with self._lock:
             entry = self._entries.get(root)
-            return (
-                entry is not None
-                and entry.state is EngineState.UNSUPPORTED
-                and self._clock() < entry.expires
-            )
+            if entry is None:
+                return None
+            if entry.state is EngineState.UNSUPPORTED and now < entry.expires:
+                return "unsupported"
+            if now < entry.unreachable_until:
+                return "unreachable"
+            return None
 
     def snapshot(self) -> dict[str, str]:
         with self._lock:

@@ -50,6 +50,9 @@ class Options:
     dispatch: DispatchMode = "inline"
     #: Seconds an endpoint that answered 404/405 is left alone.
     unsupported_cooldown: float = 300.0
+    #: Seconds an endpoint whose release timed out or refused the connection is left alone (the
+    #: agent waits for ``timeout`` at most once per cool-down).
+    failure_cooldown: float = 15.0
     #: At most one warning per kind of failure per this many seconds.
     warning_interval: float = 60.0
     compressors: tuple[str, ...] = ()
@@ -65,6 +68,7 @@ class Options:
             "max_sessions": self.max_sessions >= 1,
             "session_ttl": self.session_ttl > 0,
             "unsupported_cooldown": self.unsupported_cooldown >= 0,
+            "failure_cooldown": self.failure_cooldown >= 0,
             "capability_ttl": self.capability_ttl >= 0,
             "warning_interval": self.warning_interval >= 0,
             "dispatch": self.dispatch in ("inline", "background"),

@@ -33,6 +33,8 @@ from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, logger
 from ._windows import responses_body
 
 CAPABILITIES_PATH = "/affinity/capabilities"
+#: Outcomes after which an engine root is left alone for ``failure_cooldown`` seconds.
+_UNREACHABLE = frozenset({"timeout", "connect_error", "connection_reset"})
 
 _SUPPRESS_KEYS = tuple(
     key
@@ -171,9 +173,10 @@ class ReleaseClient:
             return client
 
     def _cooling_down(self, plan: ReleasePlan) -> Outcome | None:
-        if not self.engines.cooling_down(plan.target.root):
+        reason = self.engines.cooling_down(plan.target.root)
+        if reason is None:
             return None
-        outcome = Outcome("unsupported")
+        outcome = Outcome(reason)
         self._telemetry.record_release(outcome, plan.release.reason, None)
         return outcome
 
@@ -208,6 +211,8 @@ class ReleaseClient:
                     self._options.unsupported_cooldown,
                 )
         elif not outcome.ok:
+            if outcome.outcome in _UNREACHABLE:
+                self.engines.unreachable(root, self._options.failure_cooldown)
             detail = f"HTTP {outcome.status_code}" if outcome.status_code else outcome.error_type
             self._warnings.warn(
                 f"{url}:{outcome.outcome}",

@@ -27,7 +27,8 @@ INSTRUMENTATION_NAME = "jiuwen_hooks"
 class Outcome:
     """How one release request ended. ``outcome`` is a short label used in metrics and stats:
     ``ok``, ``http_<status>``, ``invalid_response``, ``timeout``, ``connect_error``,
-    ``connection_reset``, ``error``, ``unsupported`` (skipped during a cool-down),
+    ``connection_reset``, ``error``, ``unsupported`` / ``unreachable`` (skipped during the
+    cool-down after a 404/405, or after a timeout or failed connection),
     ``in_request`` (carried on the chat request itself: no HTTP of its own), ``superseded`` (a
     compressor's release the next model call took over) or ``dropped`` (the hook was closing)."""
 

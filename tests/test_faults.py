@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -150,3 +151,32 @@ def test_background_dispatch_does_not_wait(
         assert len(jiuwen_engine.wait_for_releases(1)) == 1
     finally:
         jiuwen_hooks.uninstall()
+
+
+def test_hanging_endpoint_delays_the_agent_once_per_cool_down(jiuwen_engine: LocalEngine) -> None:
+    """A release endpoint that hangs costs the agent the timeout once; then releases are skipped
+    (``releases.unreachable``) until the cool-down ends."""
+    jiuwen_hooks.uninstall()
+    jiuwen_hooks.install(timeout=0.3, failure_cooldown=1.0)
+    jiuwen_engine.answer_releases(delay=2.0)
+    caller = Caller("sync", jiuwen_engine.base_url)
+    window = system_and_user(3)
+    durations = []
+    try:
+        for _ in range(4):
+            caller(window)
+            started = time.perf_counter()
+            caller(window[:2])  # a release each time
+            durations.append(time.perf_counter() - started)
+        time.sleep(1.1)  # the cool-down ends: the next release is tried (and times out) again
+        caller(window)
+        started = time.perf_counter()
+        caller(window[:2])
+        durations.append(time.perf_counter() - started)
+        stats = jiuwen_hooks.stats()
+    finally:
+        caller.close()
+        jiuwen_hooks.uninstall()
+    assert durations[0] >= 0.3 and durations[4] >= 0.3  # the timeout, once per cool-down
+    assert max(durations[1:4]) < 0.25, durations
+    assert stats["releases.timeout"] == 2 and stats["releases.unreachable"] == 3

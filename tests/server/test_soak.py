@@ -83,7 +83,7 @@ class Agent:
             self.window = w[:-2]
         elif roll < 0.3:  # tool change
             self.tools = self.rng.choice(TOOLS)
-        if sum(len(m["content"]) for m in self.window) > 1800:  # stay within max_model_len
+        if sum(len(m["content"]) for m in self.window) > 1000:  # stay within max_model_len
             self.window = [self.window[0], *self.window[-1:]]
 
     def step(self, tally: Tally, abort_rate: float, n2_rate: float) -> None:

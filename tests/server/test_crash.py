@@ -1,0 +1,131 @@
+"""The seed's system test "engine killed mid-run" (§7.4.2), automated: an agent runs through the
+hook while the plugin server is SIGKILLed and restarted on the same port. The agent sees exactly
+the errors it would see without the hook, none of ours; after the restart its calls and releases
+resume (its sessions are unknown to the new engine: they release 0 blocks); the hook counts the
+failed releases."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+import jiuwen_hooks
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "crash-key"
+
+
+@pytest.fixture
+def server() -> Iterator[VLLMServer]:
+    server = VLLMServer(plugin=True, num_blocks=64, api_key=API_KEY)
+    server.start()
+    yield server
+    server.stop()
+
+
+class Agent(threading.Thread):
+    """Compacts its window every third turn; records what each call raised."""
+
+    def __init__(self, client: openai.OpenAI) -> None:
+        super().__init__()
+        self.client, self.stop = client, threading.Event()
+        self.errors: list[BaseException] = []
+        self.completed: list[float] = []
+        self.rng = random.Random(5)
+
+    def run(self) -> None:
+        window = [{"role": "system", "content": "You are the crash agent."}]
+        turn = 0
+        while not self.stop.is_set():
+            turn += 1
+            window.append({"role": "user", "content": filler_text(self.rng, 20)})
+            if turn % 3 == 0:
+                window = [window[0], {"role": "user", "content": "summary"}, window[-1]]
+            try:
+                with jiuwen_hooks.session(f"crash-{turn // 12}"):
+                    reply = self.client.chat.completions.create(
+                        model=SERVED_NAME, messages=window, max_tokens=4
+                    )
+                window.append({"role": "assistant", "content": reply.choices[0].message.content})
+                self.completed.append(time.monotonic())
+            except Exception as exc:
+                self.errors.append(exc)
+                time.sleep(0.2)
+
+
+def call_dead_server(client: openai.OpenAI) -> BaseException:
+    window = [{"role": "user", "content": "anyone there?"}]
+    try:
+        with jiuwen_hooks.session("probe-dead"):
+            client.chat.completions.create(model=SERVED_NAME, messages=window, max_tokens=1)
+    except Exception as exc:
+        return exc
+    raise AssertionError("a dead server answered")
+
+
+def engine_stats(server: VLLMServer) -> dict[str, Any]:
+    (stats,) = server.affinity_stats()["engines"]
+    return stats
+
+
+def test_engine_killed_mid_run(server: VLLMServer) -> None:
+    hook = jiuwen_hooks.install(in_request=False, timeout=1.0, failure_cooldown=0.5)
+    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=15)
+    agent = Agent(client)
+    agent.start()
+    main = [
+        {"role": "system", "content": "main"},
+        *[{"role": "user", "content": filler_text(random.Random(i), 40)} for i in range(3)],
+    ]
+    with jiuwen_hooks.session("crash-main"):  # a session the restarted engine will not know
+        client.chat.completions.create(model=SERVED_NAME, messages=main, max_tokens=1)
+    try:
+        time.sleep(6)
+        before_kill = len(agent.completed)
+        server.kill()
+        killed_at = time.monotonic()
+        time.sleep(3)
+        # the same call, with and without the hook, fails the same way
+        with_hook = call_dead_server(client)
+        failed_stats = hook.stats()
+        jiuwen_hooks.uninstall()
+        without_hook = call_dead_server(client)
+        jiuwen_hooks.install(in_request=False, timeout=1.0, failure_cooldown=0.5)
+        with pytest.raises(openai.APIConnectionError), jiuwen_hooks.session("crash-main"):
+            # the new hook sees the main window (the call fails: the server is down)
+            client.chat.completions.create(model=SERVED_NAME, messages=main, max_tokens=1)
+        assert type(with_hook) is type(without_hook) and str(with_hook) == str(without_hook)
+        restarting_at = time.monotonic()
+        server.start()  # same port
+        restarted_at = time.monotonic()
+        time.sleep(6)
+        with jiuwen_hooks.session("crash-main"):  # its release reaches an engine that never saw it
+            client.chat.completions.create(model=SERVED_NAME, messages=main[:2], max_tokens=1)
+        stats = jiuwen_hooks.stats()
+    finally:
+        agent.stop.set()
+        agent.join(timeout=60)
+        client.close()
+    jiuwen_hooks.uninstall()
+    assert before_kill > 0
+    assert agent.errors, "the crash was not seen"
+    assert all(isinstance(e, openai.APIConnectionError) for e in agent.errors), agent.errors
+    assert not any("jiuwen" in repr(e) for e in agent.errors)
+    assert any(t > restarted_at for t in agent.completed)  # calls resume after the restart
+    assert not any(killed_at + 0.5 < t < restarting_at for t in agent.completed)
+    engine = engine_stats(server)
+    assert engine.get("releases_unknown_session", 0) >= 1  # sessions from before: 0 blocks
+    assert stats.get("releases.ok", 0) >= 1  # releases resumed
+    failed = failed_stats.get("releases.connect_error", 0) + failed_stats.get(
+        "releases.unreachable", 0
+    )
+    assert failed >= 1, failed_stats  # the hook counted the releases it could not send
+    assert stats.get("internal_errors", 0) == failed_stats.get("internal_errors", 0) == 0
