@@ -71,6 +71,7 @@ bench-client: $(DEV)
 
 bench-server: $(MODEL)
 	$(PY) benchmarks/queue_ops.py
+	$(PY) benchmarks/server_session_memory.py
 	$(PY) benchmarks/server_throughput.py
 	$(PY) benchmarks/release_latency.py
 
