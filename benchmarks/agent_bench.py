@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import openai
+from _common import write_json
 from agent_trace import Call, TraceConfig, describe, generate
 from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
 
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         stem += "_" + args.release
     if args.model != "tiny":
         stem += "_" + args.model
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / f"{stem}.json", result, echo=False, server_cores=args.cores)
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out / f"{stem}.png")
     print(markdown(result))

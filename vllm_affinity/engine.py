@@ -71,6 +71,9 @@ class PoolAffinity:
         ids = [b.block_id for b in blocks if not b.is_null]
         self.sessions.record(session, ids, prompt, request_id)
 
+    def is_bound(self, request_id: str) -> bool:
+        return request_id in self._bound
+
     def request_done(self, session: str, request_id: str) -> None:
         """The request freed its blocks (finished, aborted or preempted)."""
         self._bound.pop(request_id, None)
@@ -215,10 +218,14 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """Bind on a request's first allocation and whenever it got new blocks: once per block, not
+    once per decoded token (most decode steps allocate nothing)."""
     result = wrapped(*args, **kwargs)
     if result is not None:
         request = args[0] if args else kwargs["request"]
-        _bind(instance, request)
+        state = affinity_of(instance.block_pool)
+        if state is not None and (not state.is_bound(request.request_id) or any(result.blocks)):
+            _bind(instance, request)
     return result
 
 

@@ -117,6 +117,7 @@ class VLLMServer:
         startup_timeout: float = 300.0,
         log_dir: str | Path | None = None,
         cpu_cores: str | None = None,
+        pin_process: bool = False,
     ) -> None:
         self.model = str(model or build())
         self.plugin = plugin
@@ -130,6 +131,13 @@ class VLLMServer:
             # machine must not share cores: one server's threads keep spinning for a while after
             # its request and slow the other's next request by ~0.4 s (measured on 2 cores).
             self.env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+        #: Also pin the whole process tree (API server, engine core) to ``cpu_cores``, so that
+        #: two servers compared side by side never share a core.
+        self.pinned = (
+            {int(c) for c in cpu_cores.replace("-", ",").split(",") if c}
+            if pin_process and cpu_cores
+            else None
+        )
         self.startup_timeout = startup_timeout
         self.port = free_port()
         self.log_path = Path(log_dir or tempfile.gettempdir()) / (
@@ -174,12 +182,17 @@ class VLLMServer:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=self._in_child,
         )
         log.close()
         if wait:
             self.wait_healthy()
         return self
+
+    def _in_child(self) -> None:
+        _die_with_parent()
+        if self.pinned:
+            os.sched_setaffinity(0, self.pinned)
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
