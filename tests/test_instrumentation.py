@@ -68,22 +68,19 @@ def test_entry_point_is_registered() -> None:
     assert found.load() is JiuwenHooksInstrumentor
 
 
-def test_opentelemetry_instrument_installs_the_hook(
-    jiuwen_engine: LocalEngine, tmp_path: Path
-) -> None:
-    agent = tmp_path / "agent.py"
-    agent.write_text(AGENT)
-    command = Path(sys.executable).parent / "opentelemetry-instrument"
+def run_agent(script: Path, engine: LocalEngine, **jiuwen_env: str) -> dict[str, Any]:
+    """``opentelemetry-instrument python agent.py`` in a subprocess; its ``stats()``."""
     env = {
         **os.environ,
-        "ENGINE": jiuwen_engine.base_url,
-        "JIUWEN_MIN_RELEASED_MESSAGES": "2",
+        "ENGINE": engine.base_url,
         "OTEL_TRACES_EXPORTER": "none",
         "OTEL_METRICS_EXPORTER": "none",
         "OTEL_LOGS_EXPORTER": "none",
+        **jiuwen_env,
     }
+    command = Path(sys.executable).parent / "opentelemetry-instrument"
     result = subprocess.run(
-        [str(command), sys.executable, str(agent)],
+        [str(command), sys.executable, str(script)],
         env=env,
         capture_output=True,
         text=True,
@@ -91,7 +88,15 @@ def test_opentelemetry_instrument_installs_the_hook(
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_opentelemetry_instrument_installs_the_hook(
+    jiuwen_engine: LocalEngine, tmp_path: Path
+) -> None:
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    stats = run_agent(agent, jiuwen_engine, JIUWEN_MIN_RELEASED_MESSAGES="2")
     assert stats["releases.ok"] == 1
     (release,) = jiuwen_engine.releases
     assert release.body["messages_released_index"] == 2
@@ -99,16 +104,6 @@ def test_opentelemetry_instrument_installs_the_hook(
 
     # the JIUWEN_* options reached the hook: a release below the minimum gain is skipped
     jiuwen_engine.clear()
-    env["JIUWEN_MIN_RELEASED_MESSAGES"] = "3"
-    result = subprocess.run(
-        [str(command), sys.executable, str(agent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    stats = run_agent(agent, jiuwen_engine, JIUWEN_MIN_RELEASED_MESSAGES="3")
     assert stats["skipped.below_min_gain"] == 1
     assert jiuwen_engine.releases == []
