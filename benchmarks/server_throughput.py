@@ -39,7 +39,7 @@ class Variant:
 VARIANTS = {
     "mixed": Variant(system_words=60, user_words=80, max_tokens=64, turns=6),
     "decode": Variant(system_words=20, user_words=10, max_tokens=192, turns=3),
-    "prefill": Variant(system_words=400, user_words=300, max_tokens=4, turns=3),
+    "prefill": Variant(system_words=300, user_words=150, max_tokens=4, turns=3),
 }
 
 
@@ -181,12 +181,11 @@ def main() -> int:
                 f"TTFT p50 ratio {summary['ttft_p50_ratio']}",
                 flush=True,
             )
+            cores = {"vanilla": vanilla_core, "plugin": plugin_core}
+            write_json(args.out, result, echo=False, server_cores=cores)  # after every variant
     finally:
         for server in servers.values():
             server.stop()
-    write_json(
-        args.out, result, echo=False, server_cores={"vanilla": vanilla_core, "plugin": plugin_core}
-    )
     print(f"wrote {args.out}")
     return 0
 
