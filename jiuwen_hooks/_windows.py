@@ -78,10 +78,14 @@ def responses_body(window: Window) -> dict[str, Any]:
     for the release request)."""
     items = list(window.messages)
     out: dict[str, Any] = {}
-    if items and set(items[0]) == {"instructions"}:
+    if _has_instructions(window):
         out["instructions"] = items.pop(0)["instructions"]
     out["input"] = items
     return out
+
+
+def _has_instructions(window: Window) -> bool:
+    return bool(window.messages) and set(window.messages[0]) == {"instructions"}
 
 
 def rewritten_messages(old: Window, output: Any) -> tuple[Message, ...]:
@@ -90,6 +94,6 @@ def rewritten_messages(old: Window, output: Any) -> tuple[Message, ...]:
     if old.api == "chat":
         return canonical_window(output)
     items = tuple(to_plain(item) for item in output)
-    if old.messages and set(old.messages[0]) == {"instructions"}:
+    if _has_instructions(old):
         items = (old.messages[0], *items)
     return items

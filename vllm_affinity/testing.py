@@ -90,6 +90,16 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def _core_set(cores: str) -> set[int]:
+    """``"0,2-3"`` → ``{0, 2, 3}`` (the list syntax of ``VLLM_CPU_OMP_THREADS_BIND``)."""
+    out: set[int] = set()
+    for part in cores.split(","):
+        first, _, last = part.strip().partition("-")
+        if first:
+            out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the process that started the server dies (Linux), so a
     killed test run or demo leaves no server behind."""
@@ -133,11 +143,7 @@ class VLLMServer:
             self.env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         #: Also pin the whole process tree (API server, engine core) to ``cpu_cores``, so that
         #: two servers compared side by side never share a core.
-        self.pinned = (
-            {int(c) for c in cpu_cores.replace("-", ",").split(",") if c}
-            if pin_process and cpu_cores
-            else None
-        )
+        self.pinned = _core_set(cpu_cores) if pin_process and cpu_cores else None
         self.startup_timeout = startup_timeout
         self.port = free_port()
         self.log_path = Path(log_dir or tempfile.gettempdir()) / (

@@ -63,10 +63,7 @@ class ChurnMachine(RuleBasedStateMachine):
         for _ in range(n):
             request.append_output_token_ids(7)
             if self.manager.allocate_slots(request, 1) is None:  # the scheduler preempts it
-                self.running.remove(request)
-                self.manager.free(request)
-                request.num_computed_tokens = 0
-                self.preempted.append(request)
+                self._preempt(request)
                 return
             request.num_computed_tokens += 1
             self.manager.cache_blocks(request, request.num_computed_tokens)
@@ -81,7 +78,10 @@ class ChurnMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        request = data.draw(st.sampled_from(self.running))
+        self._preempt(data.draw(st.sampled_from(self.running)))
+
+    def _preempt(self, request: Any) -> None:
+        """What the scheduler does: free the blocks, recompute from scratch when resumed."""
         self.running.remove(request)
         self.manager.free(request)
         request.num_computed_tokens = 0
