@@ -2,11 +2,12 @@
 
 One operation sequence shaped like BlockPool's use (allocate = popleft_n; free a request =
 append_n of its cached blocks in reverse order plus prepend_n of its uncached tail; prefix hit =
-remove of a queued block), generated once by driving a vLLM queue, then replayed on fresh queues
-of both kinds in one process, the order of the two swapped every round. Only the queue calls are
-timed (their arguments are prepared before), per kind of operation. Without releases both queues
-pop the same blocks (checked once before timing). The cost of ``release()`` (a move from NORMAL
-to RELEASED), an operation vLLM's queue does not have, is timed separately.
+remove of a queued cached block, as only blocks with a hash can be hit), generated once by driving
+a vLLM queue, then replayed on a fresh queue of each kind in lockstep: every operation runs on one
+queue and at once on the other, the side going first alternating per operation. Only the queue
+calls are timed (their arguments are prepared before), per kind of operation. Without releases
+both queues pop the same blocks (checked once before timing). The cost of ``release()`` (a move
+from NORMAL to RELEASED), an operation vLLM's queue does not have, is timed separately.
 
     python benchmarks/queue_ops.py [--blocks 8192] [--ops 200000] [--rounds 7]
 """
@@ -14,6 +15,7 @@ to RELEASED), an operation vLLM's queue does not have, is timed separately.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -32,27 +34,27 @@ def make_ops(blocks: int, count: int, seed: int = 0) -> list[Op]:
     """Drive a real vLLM queue with a random BlockPool-like workload and record block ids."""
     rng = random.Random(seed)
     queue, pool = fresh("vllm", blocks)
-    queued = set(range(blocks))
+    cached: set[int] = set()  # queued blocks with a hash: the only ones a prefix hit can touch
     live: list[list[int]] = []
     ops: list[Op] = []
     while len(ops) < count:
         r = rng.random()
-        if r < 0.45 and len(queued) > 64:
+        if r < 0.45 and queue.num_free_blocks > 64:
             taken = [b.block_id for b in queue.popleft_n(rng.randint(1, 32))]
-            queued.difference_update(taken)
+            cached.difference_update(taken)
             live.append(taken)
             ops.append(("popleft_n", len(taken)))
         elif r < 0.9 and live:
             request = live.pop(rng.randrange(len(live)))
-            cached, tail = list(reversed(request[:-1])), request[-1:]
-            queue.append_n([pool[i] for i in cached])
+            hashed, tail = list(reversed(request[:-1])), request[-1:]
+            queue.append_n([pool[i] for i in hashed])
             queue.prepend_n([pool[i] for i in tail])
-            queued.update(request)
-            ops += [("append_n", cached), ("prepend_n", tail)]
-        elif queued:
-            victim = rng.choice(tuple(queued)) if len(ops) % 16 == 0 else next(iter(queued))
+            cached.update(hashed)
+            ops += [("append_n", hashed), ("prepend_n", tail)]
+        elif cached:
+            victim = rng.choice(tuple(cached)) if len(ops) % 16 == 0 else next(iter(cached))
             queue.remove(pool[victim])
-            queued.discard(victim)
+            cached.discard(victim)
             live.append([victim])
             ops.append(("remove", victim))
     return ops
@@ -76,16 +78,26 @@ def prepared(blocks: list[Any], ops: list[Op]) -> list[tuple[int, Any]]:
     return out
 
 
-def replay(queue: Any, steps: list[tuple[int, Any]]) -> list[float]:
-    """Seconds spent inside each kind of queue operation (only the calls are timed)."""
-    methods = [getattr(queue, kind) for kind in KINDS]
-    spent = [0.0] * len(KINDS)
+def replay_lockstep(
+    queues: tuple[Any, Any], steps: tuple[list[tuple[int, Any]], list[tuple[int, Any]]]
+) -> tuple[list[float], list[float]]:
+    """Run the same sequence on both queues in lockstep, each operation timed on one queue and
+    then at once on the other, the first side alternating per operation: noise from the shared
+    machine lands on both sides alike. Returns the seconds per kind of operation, per side."""
+    methods = [[getattr(queue, kind) for kind in KINDS] for queue in queues]
+    spent = ([0.0] * len(KINDS), [0.0] * len(KINDS))
     clock = time.perf_counter
-    for kind, arg in steps:
-        method = methods[kind]
-        start = clock()
-        method(arg)
-        spent[kind] += clock() - start
+    gc.disable()  # a collection inside one side's timed call would be charged to that side
+    try:
+        for i, (step_a, step_b) in enumerate(zip(*steps, strict=True)):
+            for side in (0, 1) if i % 2 else (1, 0):
+                kind, arg = step_a if side == 0 else step_b
+                method = methods[side][kind]
+                start = clock()
+                method(arg)
+                spent[side][kind] += clock() - start
+    finally:
+        gc.enable()
     return spent
 
 
@@ -135,11 +147,11 @@ def main() -> int:
     counts = {kind: sum(1 for op, _ in ops if op == kind) for kind in KINDS}
     times: dict[str, list[list[float]]] = {"vllm": [], "segmented": []}
     for r in range(args.rounds):
-        order = ("vllm", "segmented") if r % 2 == 0 else ("segmented", "vllm")
-        for kind in order:
-            queue, blocks = fresh(kind, args.blocks)
-            times[kind].append(replay(queue, prepared(blocks, ops)))
-        print(f"  round {r + 1}/{args.rounds} ({order[0]} first)", file=sys.stderr, flush=True)
+        (vq, vb), (sq, sb) = fresh("vllm", args.blocks), fresh("segmented", args.blocks)
+        vllm, segmented = replay_lockstep((vq, sq), (prepared(vb, ops), prepared(sb, ops)))
+        times["vllm"].append(vllm)
+        times["segmented"].append(segmented)
+        print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     per_kind: dict[str, Any] = {}
     for i, kind in enumerate(KINDS):
         vllm = statistics.median(t[i] for t in times["vllm"])

@@ -49,7 +49,9 @@ class PoolAffinity:
 
     def __init__(self, pool: Any, max_sessions: int = 100_000) -> None:
         self.pool = pool
-        self.queue = SegmentedFreeBlockQueue(pool.free_block_queue.get_all_free_blocks())
+        self.queue = SegmentedFreeBlockQueue(
+            pool.free_block_queue.get_all_free_blocks(), capacity=len(pool.blocks)
+        )
         pool.free_block_queue = self.queue
         from vllm.v1.core.kv_cache_utils import get_block_hash
 

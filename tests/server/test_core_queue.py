@@ -184,16 +184,37 @@ class QueueMachine(RuleBasedStateMachine):
         sizes = self.q.segment_sizes()
         assert [sizes["free"], sizes["released"], sizes["normal"]] == [len(s) for s in self.ref]
         assert self.q.num_pending == len(self.pending)
+        segments = (Segment.FREE, Segment.RELEASED, Segment.NORMAL)
+        for block in self.blocks:
+            expected = next(
+                (s for s, ref in zip(segments, self.ref, strict=True) if block.block_id in ref),
+                None,
+            )
+            assert self.q.segment_of(block) is expected
 
 
 TestQueueMachine = QueueMachine.TestCase
 TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-def test_blocks_unknown_at_construction_are_accepted() -> None:
-    q = SegmentedFreeBlockQueue([FakeBlock(0)])
-    late = [FakeBlock(40), FakeBlock(7)]
-    q.append_n(late)
-    q.prepend_n([FakeBlock(90)])
-    assert ids(q.get_all_free_blocks()) == [90, 0, 40, 7]
-    assert q.segment_of(late[0]) is Segment.NORMAL
+def test_a_block_leaves_the_middle_of_free() -> None:
+    """vLLM never removes a FREE block (no hash, no hit), but the queue must still be right."""
+    blocks = [FakeBlock(i) for i in range(4)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert ids(q.iter_blocks_after(blocks[0])) == [1, 3]
+    assert q.segment_of(blocks[2]) is None
+    assert ids(q.popleft_n(3)) == [0, 1, 3]
+
+
+def test_capacity_covers_ids_not_given_at_construction() -> None:
+    """vLLM pops the null block before the queue is built: its id must still fit."""
+    q = SegmentedFreeBlockQueue([FakeBlock(3)], capacity=8)
+    late = [FakeBlock(0), FakeBlock(7)]
+    q.prepend_n(late[:1])
+    q.append_n(late[1:])
+    q.release(late[1])
+    assert ids(q.get_all_free_blocks()) == [0, 3, 7]
+    assert [q.segment_of(b) for b in late] == [Segment.FREE, Segment.RELEASED]
+    with pytest.raises(IndexError):
+        q.prepend_n([FakeBlock(8)])

@@ -4,17 +4,21 @@ A drop-in for vLLM's ``FreeKVCacheBlockQueue``: same methods, same intrusive lin
 (``prev_free_block`` / ``next_free_block`` on the blocks themselves, so no allocation per
 operation), but three segments popped in order:
 
-    FREE      blocks without a cached hash (never hit again)      — head of the queue
+    FREE      blocks without a cached hash (never hit again)      — popped first
     RELEASED  cached blocks a session declared stale, LRU order
-    NORMAL    cached blocks, LRU order                             — tail of the queue
+    NORMAL    cached blocks, LRU order                             — popped last
 
-Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum
-of the segment sizes; within a segment, order is insertion order (LRU). A released block keeps
-its hash: it can still be hit until it is actually reused.
+Where blocks go, mirroring how ``BlockPool`` uses the queue:
 
-Where blocks go, mirroring how ``BlockPool`` uses the queue: ``prepend_n`` (freed blocks without
-a hash) → head of FREE; ``append``/``append_n`` (freed cached blocks) → tail of NORMAL, or of
-RELEASED when the block was marked pending by ``release`` while it was still in use.
+- ``prepend_n`` (freed blocks without a hash) → head of FREE, so FREE is last-in first-out,
+  as vLLM's own queue is for these blocks;
+- ``append`` / ``append_n`` (freed cached blocks) → tail of NORMAL, or of RELEASED for a block
+  that ``release`` marked pending while it was still in use;
+- ``release`` of a queued NORMAL block → tail of RELEASED.
+
+Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
+the segment sizes; RELEASED and NORMAL keep insertion order (least recently freed first). A
+released block keeps its hash: it can still be hit until it is actually reused.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ class Block(Protocol):
 
 
 class Segment(IntEnum):
-    FREE = 0
-    RELEASED = 1
-    NORMAL = 2
+    """A segment of the queue; iteration order is pop order. The values are the hot path's
+    marks: NORMAL is 0, so a block needs no mark to be NORMAL (see ``SegmentedFreeBlockQueue``)."""
+
+    FREE = 1
+    RELEASED = 2
+    NORMAL = 0
 
 
 class ReleaseResult(IntEnum):
@@ -55,30 +62,44 @@ class _Sentinel:
         self.next_free_block: Any = None
 
 
-_FREE, _RELEASED, _NORMAL, _OUT = 0, 1, 2, -1  # plain ints on the hot path; Segment outside
+_NORMAL, _FREE, _RELEASED, _OUT = 0, 1, 2, -1  # plain ints on the hot path; Segment outside
+_POP_ORDER = (_FREE, _RELEASED, _NORMAL)
 
 
 class SegmentedFreeBlockQueue:
     """Free-block queue with FREE > RELEASED > NORMAL eviction priority; O(1) per block.
 
-    Hot-path notes: a block is in the queue exactly when its ``prev_free_block`` is set (vLLM's
-    own convention); the segment it was last linked into is kept in a list indexed by block id
-    (vLLM's ids are dense), written only when linking. Batch operations link whole runs at once,
-    as vLLM's queue does, and the pending set is only consulted when it is not empty.
+    How a block's segment is known without paying for it on vLLM's hottest call: a block is in
+    the queue exactly when its ``prev_free_block`` is set (vLLM's own convention), and a list
+    indexed by block id holds a mark that is FREE or RELEASED only while the block sits in that
+    segment, and 0 (NORMAL) otherwise. Marks are written where blocks enter or leave FREE and
+    RELEASED; ``append_n`` into NORMAL, the call ``BlockPool`` makes for every cached block it
+    frees, writes none, so it does the same work per block as vLLM's queue. The NORMAL size is
+    the remainder of the total.
     """
 
-    def __init__(self, blocks: Iterable[Block] = ()) -> None:
+    def __init__(self, blocks: Iterable[Block] = (), capacity: int | None = None) -> None:
+        """``blocks`` start in FREE, in order. ``capacity`` bounds the block ids the queue will
+        ever see (vLLM's ids are dense and fixed at start-up); by default, the largest id given
+        plus one."""
+        blocks = list(blocks)
+        if capacity is None:
+            capacity = max((b.block_id for b in blocks), default=-1) + 1
         self._heads = [_Sentinel() for _ in Segment]
         self._tails = [_Sentinel() for _ in Segment]
         for head, tail in zip(self._heads, self._tails, strict=True):
             head.next_free_block, tail.prev_free_block = tail, head
-        self._sizes = [0, 0, 0]
-        self._seg: list[int] = []
+        # The hot paths' sentinels, by name (a list index costs more than it looks there).
+        self._free_head = self._heads[_FREE]
+        self._normal_head, self._normal_tail = self._heads[_NORMAL], self._tails[_NORMAL]
+        self._mark = [_NORMAL] * capacity
+        self._num_free = 0  # size of FREE
+        self._num_released = 0  # size of RELEASED
         self._pending: set[int] = set()
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
-        self._link_run(list(blocks), _FREE, False)
+        self._link_run(blocks, _FREE)
 
     # -- vLLM's FreeKVCacheBlockQueue interface -----------------------------------------------
     def popleft(self) -> Block:
@@ -89,10 +110,30 @@ class SegmentedFreeBlockQueue:
     def popleft_n(self, n: int) -> list[Block]:
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
+        self.num_free_blocks -= n
         out: list[Block] = []
-        sizes = self._sizes
-        if n <= sizes[_FREE]:  # fast path: uncached blocks only (the common case)
-            head = self._heads[_FREE]
+        num_free = self._num_free
+        if num_free:  # FREE first; inlined, as most pops start with a request's uncached tail
+            take = num_free if num_free < n else n
+            mark = self._mark
+            head = self._free_head
+            node = head.next_free_block
+            for _ in range(take):
+                out.append(node)
+                mark[node.block_id] = _NORMAL
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                node = nxt
+            head.next_free_block = node
+            node.prev_free_block = head
+            self._num_free = num_free - take
+            n -= take
+            if not n:
+                return out
+        if self._num_released:
+            n = self._pop_released(n, out)
+        if n:  # the rest from NORMAL: vLLM's own loop, no marks to clear
+            head = self._normal_head
             node = head.next_free_block
             for _ in range(n):
                 out.append(node)
@@ -101,32 +142,6 @@ class SegmentedFreeBlockQueue:
                 node = nxt
             head.next_free_block = node
             node.prev_free_block = head
-            sizes[_FREE] -= n
-            self.num_free_blocks -= n
-            return out
-        remaining = n
-        heads = self._heads
-        for segment in (_FREE, _RELEASED, _NORMAL):
-            size = sizes[segment]
-            if not size:
-                continue
-            take = size if size < remaining else remaining
-            head = heads[segment]
-            node = head.next_free_block
-            for _ in range(take):
-                out.append(node)
-                nxt = node.next_free_block
-                node.prev_free_block = node.next_free_block = None
-                node = nxt
-            head.next_free_block = node
-            node.prev_free_block = head
-            sizes[segment] = size - take
-            if segment == _RELEASED:
-                self.released_reused += take
-            remaining -= take
-            if not remaining:
-                break
-        self.num_free_blocks -= n
         return out
 
     def remove(self, block: Block) -> None:
@@ -134,12 +149,12 @@ class SegmentedFreeBlockQueue:
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() called on a block not in the queue: {block.block_id}")
-        segment = self._seg[block.block_id]
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
-        self._sizes[segment] -= 1
         self.num_free_blocks -= 1
+        if self._mark[block.block_id]:  # FREE or RELEASED (a NORMAL block has no mark)
+            self._unmark(block.block_id)
 
     def append(self, block: Block) -> None:
         self.append_n([block])
@@ -153,28 +168,19 @@ class SegmentedFreeBlockQueue:
             for block in blocks:
                 if block.block_id in pending:
                     pending.discard(block.block_id)
-                    self._link_run([block], _RELEASED, False)
+                    self._link_run([block], _RELEASED)
                 else:
-                    self._link_run([block], _NORMAL, False)
+                    self._link_run([block], _NORMAL)
             return
-        # Inlined _link_run(blocks, _NORMAL, False): this is the hottest call of BlockPool.
-        seg_of = self._seg
-        tail = self._tails[_NORMAL]
+        # vLLM's own append_n loop: NORMAL needs no mark. This is BlockPool's hottest call.
+        tail = self._normal_tail
         prev = tail.prev_free_block
-        try:
-            for block in blocks:
-                seg_of[block.block_id] = _NORMAL
-                block.prev_free_block = prev
-                prev.next_free_block = block
-                prev = block
-        except IndexError:  # a block id never seen before: take the general path
-            self._grow(max(b.block_id for b in blocks))
-            tail.prev_free_block.next_free_block = tail  # undo the partial run's dangling link
-            self._link_run(blocks, _NORMAL, False)
-            return
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
         prev.next_free_block = tail
         tail.prev_free_block = prev
-        self._sizes[_NORMAL] += len(blocks)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[Block]) -> None:
@@ -183,24 +189,17 @@ class SegmentedFreeBlockQueue:
             return
         if self._pending:
             self._pending.difference_update(b.block_id for b in blocks)
-        # Inlined _link_run(blocks, _FREE, True): called on every request free.
-        seg_of = self._seg
-        prev = self._heads[_FREE]
+        mark = self._mark
+        prev = self._free_head
         after = prev.next_free_block
-        try:
-            for block in blocks:
-                seg_of[block.block_id] = _FREE
-                block.prev_free_block = prev
-                prev.next_free_block = block
-                prev = block
-        except IndexError:  # a block id never seen before: take the general path
-            self._grow(max(b.block_id for b in blocks))
-            self._heads[_FREE].next_free_block = after  # undo the partial run's link
-            self._link_run(blocks, _FREE, True)
-            return
+        for block in blocks:
+            mark[block.block_id] = _FREE
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
         prev.next_free_block = after
         after.prev_free_block = prev
-        self._sizes[_FREE] += len(blocks)
+        self._num_free += len(blocks)
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[Block]:
@@ -210,14 +209,15 @@ class SegmentedFreeBlockQueue:
         """Free blocks in eviction order after ``cursor`` (from the start when ``None``; nothing
         when the cursor is no longer in the queue, as in vLLM)."""
         if cursor is None:
-            first_segment, node = _FREE, self._heads[_FREE].next_free_block
+            order, node = _POP_ORDER, self._heads[_FREE].next_free_block
         else:
-            first_segment = self._segment_index(cursor)
-            if first_segment == _OUT:
+            segment = self._segment_index(cursor)
+            if segment == _OUT:
                 return
+            order = _POP_ORDER[_POP_ORDER.index(segment) :]
             node = cursor.next_free_block
-        for segment in range(first_segment, len(Segment)):
-            if segment != first_segment:
+        for i, segment in enumerate(order):
+            if i:
                 node = self._heads[segment].next_free_block
             tail = self._tails[segment]
             while node is not tail:
@@ -229,8 +229,8 @@ class SegmentedFreeBlockQueue:
         """Make a block the next cached block to be reused (after the uncached ones)."""
         segment = self._segment_index(block)
         if segment == _NORMAL:
-            self._unlink(block)
-            self._link_run([block], _RELEASED, False)
+            self.remove(block)
+            self._link_run([block], _RELEASED)
             return ReleaseResult.MOVED
         if segment != _OUT or block.block_id in self._pending:
             return ReleaseResult.NOOP
@@ -250,7 +250,8 @@ class SegmentedFreeBlockQueue:
         return None if segment == _OUT else Segment(segment)
 
     def segment_sizes(self) -> dict[str, int]:
-        return {segment.name.lower(): self._sizes[segment] for segment in Segment}
+        normal = self.num_free_blocks - self._num_free - self._num_released
+        return {"free": self._num_free, "released": self._num_released, "normal": normal}
 
     @property
     def num_pending(self) -> int:
@@ -260,41 +261,51 @@ class SegmentedFreeBlockQueue:
     def _segment_index(self, block: Block) -> int:
         if block.prev_free_block is None:
             return _OUT
-        return self._seg[block.block_id]
+        return self._mark[block.block_id]
 
-    def _link_run(self, blocks: list[Block], segment: int, at_head: bool) -> None:
-        """Link ``blocks`` (in order) at the head or the tail of ``segment``."""
+    def _unmark(self, block_id: int) -> None:
+        """A FREE or RELEASED block left the queue: count it out, clear its mark."""
+        if self._mark[block_id] == _FREE:
+            self._num_free -= 1
+        else:
+            self._num_released -= 1
+        self._mark[block_id] = _NORMAL
+
+    def _pop_released(self, n: int, out: list[Block]) -> int:
+        """Pop up to ``n`` RELEASED blocks into ``out`` (as ``popleft_n`` pops FREE); return how
+        many are still to pop."""
+        take = self._num_released if self._num_released < n else n
+        mark = self._mark
+        head = self._heads[_RELEASED]
+        node = head.next_free_block
+        for _ in range(take):
+            out.append(node)
+            mark[node.block_id] = _NORMAL
+            nxt = node.next_free_block
+            node.prev_free_block = node.next_free_block = None
+            node = nxt
+        head.next_free_block = node
+        node.prev_free_block = head
+        self._num_released -= take
+        self.released_reused += take
+        return n - take
+
+    def _link_run(self, blocks: list[Block], segment: int) -> None:
+        """Link ``blocks`` (in order) at the tail of ``segment`` and mark them."""
         if not blocks:
             return
-        seg_of = self._seg
-        if at_head:
-            prev = self._heads[segment]
-            after = prev.next_free_block
-        else:
-            after = self._tails[segment]
-            prev = after.prev_free_block
+        mark = self._mark
+        after = self._tails[segment]
+        prev = after.prev_free_block
         for block in blocks:
-            try:
-                seg_of[block.block_id] = segment
-            except IndexError:  # a block id never seen: grow the membership list
-                self._grow(block.block_id)
-                seg_of[block.block_id] = segment
+            mark[block.block_id] = segment
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
         prev.next_free_block = after
         after.prev_free_block = prev
-        self._sizes[segment] += len(blocks)
+        if segment == _FREE:
+            self._num_free += len(blocks)
+        elif segment == _RELEASED:
+            self._num_released += len(blocks)
         self.num_free_blocks += len(blocks)
-
-    def _grow(self, block_id: int) -> None:
-        self._seg.extend([_OUT] * (block_id + 1 - len(self._seg)))
-
-    def _unlink(self, block: Block) -> None:
-        segment = self._seg[block.block_id]
-        prev, nxt = block.prev_free_block, block.next_free_block
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = block.next_free_block = None
-        self._sizes[segment] -= 1
-        self.num_free_blocks -= 1
