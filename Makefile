@@ -12,6 +12,12 @@ MODEL  := .cache/tiny-llama/jiuwen-recipe.json
 LI_VENV := .venv-llamaindex
 LI_PY   := $(LI_VENV)/bin/python
 LI      := $(LI_VENV)/.installed
+# The real openJiuwen clients (0.1.19: agent_hint; 0.1.16: /release_kv_cache) pin far more than
+# the main environment can hold: each lives in a virtualenv of its own, driven by the server tests.
+OJ_VENV   := .venv-openjiuwen
+OJ        := $(OJ_VENV)/.installed
+OJ16_VENV := .venv-openjiuwen016
+OJ16      := $(OJ16_VENV)/.installed
 
 .PHONY: demo test test-client lint format bench bench-client bench-server bench-agents model clean
 
@@ -35,6 +41,18 @@ $(LI): pyproject.toml
 		'llama-index-llms-openai-like>=0.5' pytest pytest-asyncio
 	@touch $@
 
+$(OJ):
+	@test -x $(OJ_VENV)/bin/python || $(PYTHON) -m venv $(OJ_VENV)
+	@echo "Installing openjiuwen 0.1.19 in $(OJ_VENV) (~2 minutes) ..."
+	$(OJ_VENV)/bin/python -m pip --quiet --disable-pip-version-check install 'openjiuwen==0.1.19.post2'
+	@touch $@
+
+$(OJ16):
+	@test -x $(OJ16_VENV)/bin/python || $(PYTHON) -m venv $(OJ16_VENV)
+	@echo "Installing openjiuwen 0.1.16 in $(OJ16_VENV) (~2 minutes) ..."
+	$(OJ16_VENV)/bin/python -m pip --quiet --disable-pip-version-check install 'openjiuwen==0.1.16'
+	@touch $@
+
 $(MODEL): $(SERVER) vllm_affinity/tiny_model.py
 	$(PY) -m vllm_affinity build-model
 
@@ -45,8 +63,9 @@ demo: $(MODEL)
 	$(PY) examples/demo.py
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
-## end to end), then the llama-index integration in its own virtualenv
-test: $(MODEL) $(LI) lint
+## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own), then
+## the llama-index integration in its own virtualenv
+test: $(MODEL) $(LI) $(OJ) $(OJ16) lint
 	$(PY) -m pytest
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
 
@@ -80,4 +99,4 @@ bench-agents: $(MODEL)
 	$(PY) benchmarks/agent_bench.py
 
 clean:
-	rm -rf $(VENV) $(LI_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(LI_VENV) $(OJ_VENV) $(OJ16_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

@@ -2,19 +2,23 @@
 
 Two servers started the same way (``python -m vllm_affinity serve``, one with ``--vanilla``),
 each pinned with its whole process tree to its own core. The same multi-session append-only
-workload is replayed on each in paired rounds, the server that goes first alternating every
-round, each round with fresh session ids. Per round: generated tokens per second and TTFT p50 on
-each side, and their plugin/vanilla ratios; reported as the median of the per-round ratios with
-their spread. Variants: ``mixed`` (chat turns), ``decode`` (short prompts, long answers) and
-``prefill`` (long prompts, short answers).
+workload (fresh session ids every round) runs on one server, then, after a pause that lets the
+first server's worker threads stop spinning, on the other. Two effects larger than the one
+measured were found on this 2-core VM and are cancelled by design: the side that runs first is
+faster (the load generator shares the idle server's core), and the two cores differ. So every
+round flips both the order and the core assignment, and the result is the median, over pairs of
+consecutive rounds, of each pair's geometric-mean plugin/vanilla ratio, with its spread.
+Variants: ``mixed`` (chat turns), ``decode`` (short prompts, long answers) and ``prefill``
+(long prompts, short answers).
 
-    python benchmarks/server_throughput.py [--variants mixed,decode,prefill] [--rounds 6]
+    python benchmarks/server_throughput.py [--variants mixed,decode,prefill] [--rounds 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import math
 import random
 import statistics
 import sys
@@ -101,11 +105,17 @@ def measure(servers: dict[str, VLLMServer], name: str, args: argparse.Namespace)
     v = VARIANTS[name]
     for side, server in servers.items():  # warm-up: compile, allocate, fill caches alike
         one_round(server, f"warm-{name}-{side}", v, 2, args.concurrency)
+    cores = args.cores.split(",")
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        order = ("plugin", "vanilla") if r % 2 == 0 else ("vanilla", "plugin")
-        row: dict[str, Any] = {"first": order[0]}
+        flip = r % 2
+        order = ("plugin", "vanilla") if flip else ("vanilla", "plugin")
+        placed = {"vanilla": cores[flip], "plugin": cores[1 - flip]}
+        for side, server in servers.items():
+            server.pin(placed[side])
+        row: dict[str, Any] = {"first": order[0], "plugin_core": placed["plugin"]}
         for side in order:
+            time.sleep(args.settle)
             row[side] = one_round(servers[side], f"{name}-{r}", v, args.sessions, args.concurrency)
         row["throughput_ratio"] = (
             row["plugin"]["tokens_per_second"] / row["vanilla"]["tokens_per_second"]
@@ -113,18 +123,20 @@ def measure(servers: dict[str, VLLMServer], name: str, args: argparse.Namespace)
         row["ttft_p50_ratio"] = row["plugin"]["ttft_p50_ms"] / row["vanilla"]["ttft_p50_ms"]
         rounds.append(row)
         print(
-            f"  {name} round {r + 1}/{args.rounds} ({order[0]} first): throughput ratio "
-            f"{row['throughput_ratio']:.3f}, TTFT p50 ratio {row['ttft_p50_ratio']:.3f}",
+            f"  {name} round {r + 1}/{args.rounds} ({order[0]} first, plugin on core "
+            f"{placed['plugin']}): throughput ratio {row['throughput_ratio']:.3f}, "
+            f"TTFT p50 ratio {row['ttft_p50_ratio']:.3f}",
             file=sys.stderr,
             flush=True,
         )
     return {
         "workload": {**vars(v), "sessions": args.sessions, "concurrency": args.concurrency},
-        "throughput_ratio": spread([r["throughput_ratio"] for r in rounds]),
-        "ttft_p50_ratio": spread([r["ttft_p50_ratio"] for r in rounds]),
+        "throughput_ratio": spread(paired(rounds, "throughput_ratio")),
+        "ttft_p50_ratio": spread(paired(rounds, "ttft_p50_ratio")),
         "rounds": [
             {
                 "first": r["first"],
+                "plugin_core": r["plugin_core"],
                 **{
                     side: {k: round(x, 2) for k, x in r[side].items()}
                     for side in ("plugin", "vanilla")
@@ -137,34 +149,43 @@ def measure(servers: dict[str, VLLMServer], name: str, args: argparse.Namespace)
     }
 
 
+def paired(rounds: list[dict[str, Any]], key: str) -> list[float]:
+    """Geometric mean of each pair of consecutive rounds (order and cores flipped between them,
+    so multiplicative order and core effects cancel)."""
+    return [math.sqrt(rounds[i][key] * rounds[i + 1][key]) for i in range(0, len(rounds) - 1, 2)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="mixed,decode,prefill")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8, help="an even number")
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=512)
-    parser.add_argument("--cores", default="1,0", help="cores: vanilla,plugin (whole servers)")
+    parser.add_argument("--cores", default="0,1", help="the two cores the servers swap")
+    parser.add_argument("--settle", type=float, default=3.0, help="seconds between the sides")
     parser.add_argument("--out", default="benchmarks/results/server_throughput.json")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    vanilla_core, plugin_core = args.cores.split(",")
+    if args.rounds < 2 or args.rounds % 2:
+        parser.error("--rounds must be an even number (rounds are paired by core)")
+    first, second = args.cores.split(",")
     servers = {
         "plugin": VLLMServer(
             plugin=True,
             num_blocks=args.blocks,
             api_key="bench",
-            cpu_cores=plugin_core,
+            cpu_cores=second,
             pin_process=True,
         ),
         "vanilla": VLLMServer(
             plugin=False,
             num_blocks=args.blocks,
             api_key="bench",
-            cpu_cores=vanilla_core,
+            cpu_cores=first,
             pin_process=True,
         ),
     }
@@ -181,8 +202,7 @@ def main() -> int:
                 f"TTFT p50 ratio {summary['ttft_p50_ratio']}",
                 flush=True,
             )
-            cores = {"vanilla": vanilla_core, "plugin": plugin_core}
-            write_json(args.out, result, echo=False, server_cores=cores)  # after every variant
+            write_json(args.out, result, echo=False, server_cores=args.cores)  # after every variant
     finally:
         for server in servers.values():
             server.stop()

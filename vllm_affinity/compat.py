@@ -30,6 +30,7 @@ REQUIRED = {
         "render_chat_request",
         "create_error_response",
         "_extract_prompt_components",
+        "_check_model",
     ),
     "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion": ("create_completion",),
     "vllm.entrypoints.openai.responses.serving.OpenAIServingResponses": (
@@ -43,7 +44,23 @@ REQUIRED = {
         "tools",
         "vllm_xargs",
     ),
-    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest": ("vllm_xargs",),
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest": (
+        "vllm_xargs",
+        "session_id",
+        "cache_salt",
+        "model_extra",
+    ),
+    # openJiuwen management requests are answered with vLLM's own response models.
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionResponse": (
+        "choices",
+        "usage",
+    ),
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionResponseChoice": (
+        "message",
+        "finish_reason",
+    ),
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatMessage": ("role", "content"),
+    "vllm.entrypoints.serve.engine.protocol.UsageInfo": ("prompt_tokens", "total_tokens"),
 }
 
 #: Module-level functions the adapter calls.

@@ -109,6 +109,26 @@ class PoolAffinity:
         self.counters[f"release_us_{mode}"] += round((time.perf_counter() - started) * 1e6)
         return result
 
+    def restore_divergent(self, session: str, chain: list[Any]) -> dict[str, Any]:
+        """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot
+        hit, demoted by an earlier release and not reused since, go back to the most-recently-
+        used end of NORMAL. Blocks already reused are gone: this server has no second tier to
+        load them from."""
+        record = self.sessions.latest.get(session)
+        if record is None:
+            status, first, restored = "unknown_session", 0, 0
+        else:
+            first = first_divergent_block(
+                (self._hash_of(block_id) for block_id in record.block_ids), chain
+            )
+            blocks = self.pool.blocks
+            unreused = self.sessions.unreused(session, first)
+            restored = sum(self.queue.restore(blocks[b]) for b in unreused)
+            status = "ok"
+        self.counters["restores"] += 1
+        self.counters["blocks_restored"] += restored
+        return {"status": status, "blocks_restored": restored, "first_stale_block": first}
+
     def _hash_of(self, block_id: int) -> Any:
         block_hash = self.pool.blocks[block_id].block_hash
         return None if block_hash is None else self._strip_group(block_hash)
@@ -262,13 +282,33 @@ def _engine_state(engine_core: Any) -> PoolAffinity:
 
 
 def affinity_release_prompt(
+    self: Any,
+    session: str,
+    prompt_token_ids: list[int],
+    cache_salt: str | None,
+    protocol: str = "post",
+) -> dict[str, Any]:
+    """EngineCore utility for ``POST /release_kv_cache`` (and openJiuwen's ``agent_hint``
+    evict/offload, ``protocol="agent_hint"``): ``prompt_token_ids`` is the old window rendered up
+    to the released message. Its block hashes, computed by the engine's own hasher with the salt
+    the chat requests used, are compared with the session's cached blocks."""
+    chain = _block_hashes(self, prompt_token_ids, cache_salt)
+    return _engine_state(self).release_divergent(
+        session, chain, protocol, require_common_prefix=True
+    )
+
+
+def affinity_restore_prompt(
     self: Any, session: str, prompt_token_ids: list[int], cache_salt: str | None
 ) -> dict[str, Any]:
-    """EngineCore utility for ``POST /release_kv_cache``: ``prompt_token_ids`` is the old window
-    rendered up to the released message. Its block hashes, computed by the engine's own hasher
-    with the salt the chat requests used, are compared with the session's cached blocks."""
-    state = _engine_state(self)
-    hasher = getattr(self, "request_block_hasher", None)
+    """EngineCore utility for openJiuwen's ``prefetch`` (see ``PoolAffinity.restore_divergent``)."""
+    chain = _block_hashes(self, prompt_token_ids, cache_salt)
+    return _engine_state(self).restore_divergent(session, chain)
+
+
+def _block_hashes(engine_core: Any, prompt_token_ids: list[int], cache_salt: str | None) -> Any:
+    """The block hashes vLLM would give a request with this prompt and salt."""
+    hasher = getattr(engine_core, "request_block_hasher", None)
     if hasher is None:
         raise RuntimeError("vllm_affinity: prefix caching is disabled on this engine")
     from vllm.sampling_params import SamplingParams
@@ -282,7 +322,7 @@ def affinity_release_prompt(
         cache_salt=cache_salt,
         block_hasher=hasher,
     )
-    return state.release_divergent(session, probe.block_hashes, "post", require_common_prefix=True)
+    return probe.block_hashes
 
 
 def affinity_check(self: Any) -> dict[str, Any]:
@@ -317,6 +357,7 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
     EngineCore.affinity_release_prompt = affinity_release_prompt
+    EngineCore.affinity_restore_prompt = affinity_restore_prompt
     EngineCore.affinity_stats = affinity_stats
     EngineCore.affinity_check = affinity_check
     _applied = True

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-RELEASE_MODES = ("post", "in_request", "divergence")
+RELEASE_MODES = ("post", "in_request", "divergence", "agent_hint")
 
 
 class _EngineCollector:
@@ -40,13 +40,19 @@ class _EngineCollector:
         releases = CounterMetricFamily(
             "vllm_affinity_engine_releases",
             "Releases carried out in the engine, by path: post (/release_kv_cache), in_request "
-            "(X-KV-Release), divergence (VLLM_AFFINITY_RELEASE_ON_DIVERGENCE)",
+            "(X-KV-Release), divergence (VLLM_AFFINITY_RELEASE_ON_DIVERGENCE), agent_hint "
+            "(openJiuwen evict/offload management requests)",
             labels=["mode", "engine"],
         )
         released = CounterMetricFamily(
             "vllm_affinity_engine_blocks_released",
             "Blocks released in the engine (moved or pending), by path",
             labels=["mode", "engine"],
+        )
+        restored = CounterMetricFamily(
+            "vllm_affinity_engine_blocks_restored",
+            "Released blocks put back to most-recently-used by openJiuwen prefetch requests",
+            labels=["engine"],
         )
         sessions = GaugeMetricFamily(
             "vllm_affinity_sessions",
@@ -66,6 +72,7 @@ class _EngineCollector:
             reused.add_metric([engine], stats["released_reused"])
             sessions.add_metric([engine], stats.get("sessions", 0))
             bindings.add_metric([engine], stats.get("bindings", 0))
+            restored.add_metric([engine], stats.get("blocks_restored", 0))
             for mode in RELEASE_MODES:
                 releases.add_metric([mode, engine], stats.get(f"releases_{mode}", 0))
                 released.add_metric([mode, engine], stats.get(f"blocks_released_{mode}", 0))
@@ -74,6 +81,7 @@ class _EngineCollector:
         yield reused
         yield releases
         yield released
+        yield restored
         yield sessions
         yield bindings
 
@@ -99,6 +107,13 @@ class AffinityMetrics:
             ["outcome"],
             registry=registry,
         )
+        self._management = Counter(
+            "vllm_affinity_agent_hint_requests",
+            "openJiuwen agent_hint management requests (answered without inference), by action "
+            "and outcome",
+            ["action", "outcome"],
+            registry=registry,
+        )
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()
         self._lock = threading.Lock()
@@ -113,6 +128,11 @@ class AffinityMetrics:
         self._blocks.inc(n)
         with self._lock:
             self._counts["blocks_released"] += n
+
+    def count_management(self, action: str, outcome: str) -> None:
+        self._management.labels(action=action, outcome=outcome).inc()
+        with self._lock:
+            self._counts[f"agent_hint.{action}.{outcome}"] += 1
 
     def count_hint(self, outcome: str) -> None:
         self._hints.labels(outcome=outcome).inc()

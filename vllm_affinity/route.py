@@ -27,6 +27,7 @@ from opentelemetry import propagate, trace
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ._version import plugin_version
+from .agent_hint import AgentHintError, answer_management, read_agent_hint
 from .core import HintError, ReleaseHint
 from .core.hint import HEADER as HINT_HEADER
 from .engine import HINT_KEY
@@ -45,6 +46,7 @@ CAPABILITIES: dict[str, Any] = {
     "in_request_release": True,
     "release_header": HINT_HEADER,
     "session_header": "X-Session-ID",
+    "agent_hint": True,
 }
 
 
@@ -138,6 +140,7 @@ class ReleaseService:
         ) as span:
             try:
                 request = await self._parse(raw)
+                span.set_attribute("jiuwen.release.protocol", "release_kv_cache")
                 span.set_attribute("gen_ai.conversation.id", request.cache_salt)
                 span.set_attribute("gen_ai.request.model", request.model)
                 result = await self._release(request)
@@ -197,7 +200,7 @@ class ReleaseService:
         if self.engine_client.errored:
             raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
         started = time.perf_counter()
-        cut = await self._render_cut(request)
+        cut = await self.render_cut(request)
         if len(cut) > self.max_model_len:
             raise ReleaseError(
                 400,
@@ -206,27 +209,34 @@ class ReleaseService:
             )
         rendered = time.perf_counter()
         salt = None if self._shares_cache(request) else request.cache_salt
-        results = await self._call_engines("affinity_release_prompt", request.cache_salt, cut, salt)
+        results = await self.call_engines("affinity_release_prompt", request.cache_salt, cut, salt)
         done = time.perf_counter()
         return {
             "cache_salt": request.cache_salt,
+            **self.summed(results),
+            "render_ms": round((rendered - started) * 1e3, 3),
+            "engine_ms": round((done - rendered) * 1e3, 3),
+            "capabilities": CAPABILITIES,
+        }
+
+    @staticmethod
+    def summed(results: list[dict[str, Any]]) -> dict[str, Any]:
+        """One release's figures over every engine (data parallel)."""
+        return {
             "block_released": sum(r["block_released"] for r in results),
             "moved": sum(r["moved"] for r in results),
             "pending": sum(r["pending"] for r in results),
             "kept_shared": sum(r["kept_shared"] for r in results),
-            "status": _merge_status(r["status"] for r in results),
+            "status": merge_status(r["status"] for r in results),
             "first_stale_block": min(r["first_stale_block"] for r in results),
             "prompt_tokens": max(r.get("prompt_tokens", 0) for r in results),
-            "render_ms": round((rendered - started) * 1e3, 3),
-            "engine_ms": round((done - rendered) * 1e3, 3),
-            "capabilities": CAPABILITIES,
         }
 
     def _shares_cache(self, request: ReleaseRequest) -> bool:
         """Whether the session's chat requests were hashed without their salt."""
         return bool(request.cache_sharing) and self.settings.allow_cache_sharing
 
-    async def _render_cut(self, request: ReleaseRequest) -> list[int]:
+    async def render_cut(self, request: ReleaseRequest) -> list[int]:
         """Tokens of the old window up to the released item (and tool): what is still valid.
         The whole window is validated (vLLM's request model, no render). Index 0 releases
         everything: only the first item is rendered, to check the model and the template
@@ -294,7 +304,7 @@ class ReleaseService:
     def _token_ids(self, engine_input: Any) -> list[int]:
         return list(self.serving_chat._extract_prompt_components(engine_input).token_ids)
 
-    async def _call_engines(self, method: str, *args: Any) -> list[dict[str, Any]]:
+    async def call_engines(self, method: str, *args: Any) -> list[dict[str, Any]]:
         core = self.engine_client.engine_core
         try:
             if hasattr(core, "call_utility_all_async"):
@@ -307,7 +317,7 @@ class ReleaseService:
             ) from None
 
     async def stats(self) -> dict[str, Any]:
-        engines = await self._call_engines("affinity_stats")
+        engines = await self.call_engines("affinity_stats")
         self.metrics.update_engine_stats(engines)
         return {"engines": engines, "api_server": self.metrics.api_counts()}
 
@@ -341,7 +351,8 @@ def _responses_request(
         raise ReleaseError(400, f"invalid input or tools: {exc.errors()[0]['msg']}") from None
 
 
-def _merge_status(statuses: Any) -> str:
+def merge_status(statuses: Any) -> str:
+    """One status for a release carried out in every engine."""
     statuses = set(statuses)
     return "ok" if "ok" in statuses else (statuses.pop() if len(statuses) == 1 else "mixed")
 
@@ -378,7 +389,7 @@ async def affinity_check(raw: Request) -> JSONResponse:
     if service.api_tokens and not service._authorised(raw):
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
     try:
-        engines = await service._call_engines("affinity_check")
+        engines = await service.call_engines("affinity_check")
     except ReleaseError as exc:
         return error_response(exc.status, exc.message, exc.kind)
     ok = all(not e["problems"] for e in engines)
@@ -447,7 +458,21 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             _hint_span(raw_request, hint)
         return wrapped(*args, **kwargs)
 
-    wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before)
+    def before_chat(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        """openJiuwen's ``agent_hint`` first (see ``agent_hint.py``), then as ``before``."""
+        request = args[0] if args else kwargs["request"]
+        raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
+        try:
+            agent_hint = read_agent_hint(request)
+        except AgentHintError as exc:
+            _service(raw_request).metrics.count_management("none", "invalid")
+            return _hint_error(instance, str(exc))
+        if agent_hint is not None and agent_hint.manage_request:
+            apply_cache_sharing(request, settings.allow_cache_sharing)
+            return answer_management(_service(raw_request), request, agent_hint, raw_request)
+        return before(wrapped, instance, args, kwargs)
+
+    wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before_chat)
     wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
     wrapt.wrap_function_wrapper(OpenAIServingResponses, "create_responses", before)
     _wrapped_serving = True
@@ -464,6 +489,7 @@ def _hint_span(raw_request: Any, hint: ReleaseHint) -> None:
     ctx = propagate.extract(dict(headers)) if headers is not None else None
     attributes: dict[str, Any] = {
         "jiuwen.release.mode": "in_request",
+        "jiuwen.release.protocol": "x_kv_release",
         "jiuwen.release.messages_released_index": hint.messages_released_index,
     }
     if hint.tools_released_index is not None:

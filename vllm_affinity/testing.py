@@ -200,6 +200,23 @@ class VLLMServer:
         if self.pinned:
             os.sched_setaffinity(0, self.pinned)
 
+    def pin(self, cores: str) -> None:
+        """Move every thread of the running server (API server, engine core, worker) to
+        ``cores``: a benchmark swaps two servers' cores between rounds, so that neither keeps the
+        core that the rest of the machine disturbs more."""
+        import psutil
+
+        if self._process is None:
+            raise RuntimeError("pin() needs a running server")
+        self.pinned = _core_set(cores)
+        root = psutil.Process(self._process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                for thread in process.threads():
+                    os.sched_setaffinity(thread.id, self.pinned)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                continue  # a short-lived helper process ended meanwhile
+
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

@@ -177,6 +177,19 @@ class QueueMachine(RuleBasedStateMachine):
             self.pending.add(block_id)
             assert result is ReleaseResult.PENDING
 
+    @rule(block_id=st.integers(min_value=0, max_value=N - 1))
+    def restore(self, block_id: int) -> None:
+        result = self.q.restore(self.blocks[block_id])
+        if block_id in self.ref[1]:
+            self.ref[1].remove(block_id)
+            self.ref[2].append(block_id)
+            assert result is True
+        elif block_id in self.pending:
+            self.pending.discard(block_id)
+            assert result is True
+        else:
+            assert result is False
+
     @invariant()
     def same_order_and_counts(self) -> None:
         assert ids(self.q.get_all_free_blocks()) == self.in_queue()

@@ -44,6 +44,16 @@ def test_reused_block_is_not_released_by_its_old_session() -> None:
     assert table.select_release("c", 0).block_ids == [2]
 
 
+def test_unreused_names_the_released_blocks_still_holding_their_content() -> None:
+    """What a prefetch can bring back: released or not, but not reused since."""
+    table = table_with(("a", [1, 2, 3, 4]))
+    assert table.select_release("a", 1).block_ids == [2, 3, 4]
+    table.unbind([3])  # block 3 reused for new content
+    assert table.unreused("a", 1) == [2, 4]
+    assert table.unreused("a", 0) == [1, 2, 4]
+    assert table.unreused("nobody", 0) == []
+
+
 def test_unknown_session() -> None:
     table = table_with(("a", [1, 2]))
     assert table.select_release("zzz", 0).status == "unknown_session"

@@ -237,6 +237,15 @@ class SegmentedFreeBlockQueue:
         self._pending.add(block.block_id)
         return ReleaseResult.PENDING
 
+    def restore(self, block: Block) -> bool:
+        """Undo ``release``: a RELEASED block goes to the most-recently-used end of NORMAL, a
+        pending one will go to NORMAL when freed. False when the block was neither."""
+        if self._segment_index(block) == _RELEASED:
+            self.remove(block)
+            self.append_n([block])
+            return True
+        return self.cancel_pending(block.block_id)
+
     def cancel_pending(self, block_id: int) -> bool:
         """Another user took the block: when freed it goes back to NORMAL."""
         if block_id in self._pending:

@@ -121,6 +121,19 @@ class SessionBlocks:
         released, kept = self._let_go(record, first_block)
         return ReleaseSelection(released, kept)
 
+    def unreused(self, session: str, first_block: int) -> list[int]:
+        """The blocks of ``session``'s latest request from ``first_block`` on that still hold the
+        content it recorded (not reused since), released or not."""
+        record = self.latest.get(session)
+        if record is None:
+            return []
+        generation = self._generation
+        return [
+            block_id
+            for i, block_id in enumerate(record.block_ids[first_block:], first_block)
+            if generation.get(block_id, 0) == record.generations[i]
+        ]
+
     # -- internals ----------------------------------------------------------------------------
     def _hold(self, record: SessionRecord, block_ids: Sequence[int]) -> None:
         holders, generation = self._holders, self._generation
