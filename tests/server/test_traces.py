@@ -18,8 +18,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_client_and_server_release_spans_share_a_trace() -> None:
-    """Both paths: a POSTed release (``in_request=False``) and an in-request one, whose trace
-    context rides on the chat request with the hint."""
+    """Every path: a POSTed release (``in_request=False``), an in-request one, whose trace
+    context rides on the chat request with the hint, and an openJiuwen ``agent_hint``
+    management request carrying the caller's ``traceparent``."""
     with OtlpCollector() as collector:
         server = VLLMServer(
             plugin=True,
@@ -39,17 +40,18 @@ def test_client_and_server_release_spans_share_a_trace() -> None:
                     rewrite_once(server, hook, f"traced-{in_request}")
                 finally:
                     jiuwen_hooks.uninstall()
+            evict_as_openjiuwen(server, provider)
             provider.shutdown()
 
-            def both(spans: list) -> bool:
+            def every(spans: list) -> bool:
                 kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
-                return kinds.count("SPAN_KIND_CLIENT") == kinds.count("SPAN_KIND_SERVER") == 2
+                return kinds.count("SPAN_KIND_CLIENT") == kinds.count("SPAN_KIND_SERVER") == 3
 
-            spans = collector.wait_for(both, timeout=40)
+            spans = collector.wait_for(every, timeout=40)
     releases = [s for s in spans if s.name == "kv_cache.release"]
     clients = [s for s in releases if s.kind == "SPAN_KIND_CLIENT"]
     servers = {s.trace_id: s for s in releases if s.kind == "SPAN_KIND_SERVER"}
-    assert len(clients) == len(servers) == 2
+    assert len(clients) == len(servers) == 3
     for client_span in clients:
         assert client_span.service == "agent"
         assert servers[client_span.trace_id].parent_id == client_span.span_id
@@ -65,3 +67,29 @@ def rewrite_once(server: VLLMServer, hook: jiuwen_hooks.Hook, session: str) -> N
             client.chat.completions.create(model=SERVED_NAME, messages=window, max_tokens=2)
             hook.flush()  # the capability probe
             client.chat.completions.create(model=SERVED_NAME, messages=window[:1], max_tokens=2)
+
+
+def evict_as_openjiuwen(server: VLLMServer, provider: TracerProvider) -> None:
+    """A management request under a client span of the caller's (openJiuwen's client sends
+    what its OpenTelemetry set-up injects)."""
+    from opentelemetry import propagate, trace
+
+    tracer = provider.get_tracer("openjiuwen-like")
+    with tracer.start_as_current_span("kv_cache.release", kind=trace.SpanKind.CLIENT):
+        headers: dict[str, str] = {}
+        propagate.inject(headers)
+        with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+            client.chat.completions.create(
+                model=SERVED_NAME,
+                messages=[],
+                extra_headers=headers,
+                extra_body={
+                    "agent_hint": {
+                        "session_id": "traced-openjiuwen",
+                        "context_management": {
+                            "manage_request": True,
+                            "edits": [{"type": "evict", "target": "session"}],
+                        },
+                    }
+                },
+            )
