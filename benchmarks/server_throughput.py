@@ -11,7 +11,10 @@ consecutive rounds, of each pair's geometric-mean plugin/vanilla ratio, with its
 Variants: ``mixed`` (chat turns), ``decode`` (short prompts, long answers) and ``prefill``
 (long prompts, short answers).
 
-    python benchmarks/server_throughput.py [--variants mixed,decode,prefill] [--rounds 8]
+    python benchmarks/server_throughput.py [--variants mixed,decode,prefill] [--rounds 8] [--aa]
+
+``--aa`` runs the same harness with *two vanilla servers* (the "plugin" side is a second vanilla
+server): the ratios it reports are this machine's floor for the measurement.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--cores", default="0,1", help="the two cores the servers swap")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds between the sides")
+    parser.add_argument("--aa", action="store_true", help="both servers vanilla (A/A control)")
     parser.add_argument("--out", default="benchmarks/results/server_throughput.json")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -175,7 +179,7 @@ def main() -> int:
     first, second = args.cores.split(",")
     servers = {
         "plugin": VLLMServer(
-            plugin=True,
+            plugin=not args.aa,
             num_blocks=args.blocks,
             api_key="bench",
             cpu_cores=second,
@@ -189,7 +193,12 @@ def main() -> int:
             pin_process=True,
         ),
     }
-    result: dict[str, Any] = {"blocks": args.blocks, "rounds": args.rounds, "variants": {}}
+    result: dict[str, Any] = {
+        "blocks": args.blocks,
+        "rounds": args.rounds,
+        "aa_control": args.aa,
+        "variants": {},
+    }
     try:
         for name, server in servers.items():
             print(f"starting {name} server (log {server.log_path}) ...", file=sys.stderr)
