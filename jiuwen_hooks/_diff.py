@@ -1,4 +1,4 @@
-"""Pure core of the client: canonical wire messages and the window diff (spec §4).
+"""Pure core of the client: canonical wire messages and the window diff.
 
 No I/O and no openai import: everything here is exercised directly by unit and property tests.
 Windows are compared on *canonical wire dicts* (the fields a chat template renders), never on
@@ -112,7 +112,7 @@ def first_difference(old: Sequence[Any], new: Sequence[Any]) -> int | None:
 
 
 def diff_windows(old: Window, new: Window) -> Release | None:
-    """Spec §4: first differing message → rewrite; strict truncation → ``len(new)``; pure append →
+    """First differing message → rewrite; strict truncation → ``len(new)``; pure append →
     nothing. A changed tools list adds ``tools_released_index`` (and, when no message changed,
     releases from ``len(old.messages)``, i.e. only what the tools affect). A session that moved
     to the other API renders differently from the first token: everything is released."""

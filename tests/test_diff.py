@@ -1,4 +1,4 @@
-"""Unit and property tests of the pure diff (spec §4), against a plain reference definition."""
+"""Unit and property tests of the pure diff, against a plain reference definition."""
 
 from __future__ import annotations
 

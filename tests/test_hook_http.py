@@ -142,10 +142,13 @@ def test_explicit_cache_salt_wins_over_context(call: Caller, jiuwen_engine: Loca
     assert jiuwen_engine.chats[0].headers["x-session-id"] == "explicit"
 
 
-def test_session_from_header(call: Caller, jiuwen_engine: LocalEngine) -> None:
+@pytest.mark.parametrize("name", ["X-Session-ID", "x-session-id", "X-SESSION-ID"])
+def test_session_from_header(call: Caller, jiuwen_engine: LocalEngine, name: str) -> None:
+    """Header names are case-insensitive: every spelling names the session (the recording
+    server lower-cases what it received, so only the hook's own lookup is under test)."""
     window = system_and_user(2)
-    call(window, session=None, extra_headers={"x-session-id": "hdr"})
-    call(window[:1], session=None, extra_headers={"x-session-id": "hdr"})
+    call(window, session=None, extra_headers={name: "hdr"})
+    call(window[:1], session=None, extra_headers={name: "hdr"})
     assert released(jiuwen_engine) == [("hdr", 1, None)]
     assert jiuwen_engine.chats[0].headers["x-session-id"] == "hdr"
     assert "cache_salt" not in jiuwen_engine.chats[0].body

@@ -71,7 +71,7 @@ def test_bounds(spec: list[tuple[str, int, int]], capacity: int) -> None:
         assert r["hit_tokens"] <= results["infinite"]["hit_tokens"]
     assert results["belady"]["hit_tokens"] >= results["lru"]["hit_tokens"]
     closed = gap_closed(results)
-    assert closed is None or closed <= 1.0 + 1e-9 or results["lru_release"]["hit_rate"] > 0
+    assert closed is None or closed <= 1.0 + 1e-9  # release never beats the optimal (Belady)
 
 
 def test_working_set_counts_shared_blocks_once() -> None:

@@ -176,11 +176,17 @@ def test_api_key_is_enforced(vllm_affinity_server: VLLMServer) -> None:
 
 def test_metrics_show_segments(vllm_affinity_server: VLLMServer) -> None:
     server = vllm_affinity_server
+    messages = window(seed=57, words=60)
+    chat(server, "metrics", messages)
+    requests = server.metric("vllm_affinity_release_requests_total", outcome="ok")
+    blocks = server.metric("vllm_affinity_blocks_released_total")
+    released = server.release(release_body("metrics", messages, 1)).json()["block_released"]
+    assert released > 0
     stats = engine(server)  # also refreshes the snapshot behind /metrics
     for segment, count in stats["segments"].items():
         assert server.metric("vllm_affinity_blocks", segment=segment) == count
-    assert server.metric("vllm_affinity_release_requests_total", outcome="ok") >= 1
-    assert server.metric("vllm_affinity_blocks_released_total") >= 1
+    assert server.metric("vllm_affinity_release_requests_total", outcome="ok") == requests + 1
+    assert server.metric("vllm_affinity_blocks_released_total") == blocks + released
 
 
 def test_concurrent_releases_during_generation(vllm_affinity_server: VLLMServer) -> None:
