@@ -154,10 +154,14 @@ def replay(
     """Replay ``calls`` on both servers, interleaved; the hook is installed for the plugin side
     only (its calls run in a session; the vanilla side's calls have none, so the hook leaves
     them alone)."""
+    if jiuwen_hooks.installed() is not None:
+        raise RuntimeError(
+            "replay() installs its own hook with the benchmark's options; "
+            "call jiuwen_hooks.uninstall() first"
+        )
     warm_up(vanilla, plugin)
     sides = {"vanilla": Side(), "plugin": Side()}
     before = {"vanilla": prefix_counters(vanilla), "plugin": prefix_counters(plugin)}
-    jiuwen_hooks.uninstall()
     hook = jiuwen_hooks.install(**hook_options)
     try:
         with (

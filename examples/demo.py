@@ -128,6 +128,7 @@ def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider:
         if (i + 1) % 12 == 0 or i + 1 == len(calls):
             say(f"  {i + 1}/{len(calls)} calls replayed on both servers")
 
+    jiuwen_hooks.uninstall()  # replay() installs its own hook, with the same tracer provider
     result = replay(calls, vanilla, plugin, progress, tracer_provider=tracer_provider)
     say("  side      hit rate   TTFT p50   TTFT p90   computed tokens")
     for side in ("vanilla", "plugin"):

@@ -41,6 +41,11 @@ def uninstall() -> None:
             hook.uninstall()
 
 
+def installed() -> Hook | None:
+    """The hook ``install()`` put in place, or ``None``."""
+    return _state.installed()
+
+
 def stats() -> dict[str, Any]:
     """A snapshot of the installed hook's counters (empty when not installed)."""
     hook = _state.installed()
