@@ -239,3 +239,23 @@ def test_unsupported_version_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_installed_version_is_supported() -> None:
     assert compat.check_supported_vllm().startswith(("0.32.", "0.33."))
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "missing"),
+    [
+        ("REQUIRED", "vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat", "_gone"),
+        ("REQUIRED", "vllm.v1.core.block_pool.BlockPool", "get_new_blocks_v2"),
+        ("REQUIRED_FUNCTIONS", "vllm.v1.core.kv_cache_utils", "get_block_hash_v2"),
+    ],
+)
+def test_a_missing_vllm_name_fails_at_start_up_by_name(
+    monkeypatch: pytest.MonkeyPatch, table: str, key: str, missing: str
+) -> None:
+    """A vLLM that renamed anything the plugin touches (private names included) is refused at
+    start-up with the name, not mid-request."""
+    required = dict(getattr(compat, table))
+    required[key] = (*required[key], missing)
+    monkeypatch.setattr(compat, table, required)
+    with pytest.raises(compat.UnsupportedVLLMError, match=rf"lacks {key}\.{missing}"):
+        compat.check_supported_vllm()
