@@ -18,7 +18,21 @@ def first_divergent_block(cached: Iterable[Hashable | None], chain: Sequence[Has
     """Index of the first of a session's cached blocks that a prompt with block-hash chain
     ``chain`` cannot hit: the first whose hash is missing (uncached, partial or reused), differs
     from the chain at the same index, or lies beyond it. Hash chains are prefix-closed, so every
-    later block is stale too. Exact whatever the chat template does to earlier turns."""
+    later block is stale too. Exact whatever the chat template does to earlier turns.
+
+    The session's latest request (its prompt and answer) against the cut window's prompt, with
+    block size 4; ``|`` marks a block boundary, ``^`` the first token that differs::
+
+        cached:  | s s s u | u u u a | a a x x | x x x x | x g g   (g: generated, partial block)
+        chain:   | s s s u | u u u a | a a y y | y
+                                           ^
+        hashes:  |   h0    |   h1    |   h2    |   h3    |  None
+        chain:   |   h0    |   h1    |   h2'   |
+                                       → 2: blocks 2, 3 and 4 are stale
+
+    Block 2 holds the first differing token, so its hash differs, and the chain is shorter than
+    the cache from there on. The cut's own partial block (``y``) has no hash, as in vLLM.
+    """
     count = 0
     for index, block_hash in enumerate(cached):
         if block_hash is None or index >= len(chain) or block_hash != chain[index]:
