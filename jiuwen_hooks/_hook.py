@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import inspect
 import threading
 import time
@@ -65,6 +66,36 @@ class PreparedCall:
     wait_for: CompressorJob | None = None  # a compressor release on the wire
 
 
+def _never_raises(what: str) -> Callable[[Any], Any]:
+    """Method decorator, sync or async: an internal error is counted and logged (rate-limited)
+    and the method returns ``None``. A release must never break the agent."""
+
+    def decorate(method: Any) -> Any:
+        if inspect.iscoroutinefunction(method):
+
+            @functools.wraps(method)
+            async def guarded_async(self: Hook, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await method(self, *args, **kwargs)
+                except Exception:
+                    self._internal_error(what)
+                    return None
+
+            return guarded_async
+
+        @functools.wraps(method)
+        def guarded(self: Hook, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                self._internal_error(what)
+                return None
+
+        return guarded
+
+    return decorate
+
+
 class Hook:
     """Handle returned by ``install()``: ``stats()``, ``engines()``, ``flush()``,
     ``uninstall()``."""
@@ -91,18 +122,16 @@ class Hook:
         self.active = False
 
     # -- model calls --------------------------------------------------------------------------
+    @_never_raises("call passed through")
     def before_call(self, describe: Callable[[], ModelCall | None]) -> PreparedCall | None:
         """Resolve the session, diff the window, add the headers. ``None``: pass through
         untouched. Never raises: an internal error is logged and the call goes out unchanged."""
-        try:
-            call = describe()
-            return self._before_call(call) if call is not None else None
-        except Exception:
-            self.telemetry.count("internal_errors")
-            self.warnings.warn(
-                "internal", "jiuwen_hooks: internal error; call passed through", exc_info=True
-            )
-            return None
+        call = describe()
+        return self._before_call(call) if call is not None else None
+
+    def _internal_error(self, what: str) -> None:
+        self.telemetry.count("internal_errors")
+        self.warnings.warn("internal", f"jiuwen_hooks: internal error; {what}", exc_info=True)
 
     def _before_call(self, call: ModelCall) -> PreparedCall | None:
         session_id = resolve_session(call, self.options.session_resolver)
@@ -185,31 +214,24 @@ class Hook:
             self.telemetry.count("compressor.wait_timeouts")
 
     # -- compressors --------------------------------------------------------------------------
+    @_never_raises("compressor output not diffed")
     def after_compress(self, label: str, messages_in: Any, result: Any) -> None:
         """A compressor returned: diff its output against the last window sent and send the
         release off the agent's path. Never raises."""
-        try:
-            output = result if isinstance(result, list | tuple) else messages_in
-            if output is None:
-                return
-            session_id = current_session() or self.table.session_of(messages_in)
-            if session_id is None:
-                self.telemetry.count("compressor.untracked")
-                return
-            self.telemetry.count("compressor.runs")
-            decision = self.table.rewrite(
-                session_id, output, f"compressor:{label}", rewritten_messages
-            )
-            if decision.skipped is not None:
-                self.telemetry.record_skip(decision.skipped)
-            if decision.plan is not None and decision.job is not None:
-                self._log_triggered(decision.plan)
-                self._submit(self._send_compressor_release, decision.plan, decision.job)
-        except Exception:
-            self.telemetry.count("internal_errors")
-            self.warnings.warn(
-                "internal", "jiuwen_hooks: internal error in compressor hook", exc_info=True
-            )
+        output = result if isinstance(result, list | tuple) else messages_in
+        if output is None:
+            return
+        session_id = current_session() or self.table.session_of(messages_in)
+        if session_id is None:
+            self.telemetry.count("compressor.untracked")
+            return
+        self.telemetry.count("compressor.runs")
+        decision = self.table.rewrite(session_id, output, f"compressor:{label}", rewritten_messages)
+        if decision.skipped is not None:
+            self.telemetry.record_skip(decision.skipped)
+        if decision.plan is not None and decision.job is not None:
+            self._log_triggered(decision.plan)
+            self._submit(self._send_compressor_release, decision.plan, decision.job)
 
     def _send_compressor_release(self, plan: ReleasePlan, job: CompressorJob) -> None:
         try:
@@ -245,21 +267,14 @@ class Hook:
     async def aflush(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.flush)
 
+    # ReleaseClient already catches transport errors; these are the backstop.
+    @_never_raises("release not sent")
     def _guarded(self, plan: ReleasePlan) -> Outcome | None:
-        try:
-            return self.client.send(plan)
-        except Exception:  # ReleaseClient already catches transport errors; this is a backstop
-            self.telemetry.count("internal_errors")
-            self.warnings.warn("internal", "jiuwen_hooks: internal error in release", exc_info=True)
-            return None
+        return self.client.send(plan)
 
+    @_never_raises("release not sent")
     async def _aguarded(self, plan: ReleasePlan) -> Outcome | None:
-        try:
-            return await self.client.asend(plan)
-        except Exception:
-            self.telemetry.count("internal_errors")
-            self.warnings.warn("internal", "jiuwen_hooks: internal error in release", exc_info=True)
-            return None
+        return await self.client.asend(plan)
 
     def _submit(self, fn: Any, *args: Any) -> None:
         """Run ``fn`` on the background thread, in the caller's context (trace, session). After

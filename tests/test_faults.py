@@ -180,3 +180,53 @@ def test_hanging_endpoint_delays_the_agent_once_per_cool_down(jiuwen_engine: Loc
     assert durations[0] >= 0.3 and durations[4] >= 0.3  # the timeout, once per cool-down
     assert max(durations[1:4]) < 0.25, durations
     assert stats["releases.timeout"] == 2 and stats["releases.unreachable"] == 3
+
+
+def broken(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a bug inside the hook")
+
+
+async def abroken(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a bug inside the hook")
+
+
+def test_a_bug_in_the_hook_never_reaches_the_agent(
+    call: Caller,
+    jiuwen_engine: LocalEngine,
+    jiuwen_hook: jiuwen_hooks.Hook,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The call goes out exactly as the agent made it; the error is counted and logged."""
+    monkeypatch.setattr(jiuwen_hook, "_before_call", broken)
+    with caplog.at_level(logging.WARNING, logger="jiuwen_hooks"):
+        reply = rewrite_once(call)
+    assert reply.choices[0].message.content == "ok (2 messages)"
+    assert jiuwen_engine.releases == []
+    assert all("x-session-id" not in chat.headers for chat in jiuwen_engine.chats)
+    assert jiuwen_hooks.stats()["internal_errors"] == 2
+    assert "internal error; call passed through" in caplog.text
+
+
+def test_a_bug_while_releasing_is_counted_and_the_call_succeeds(
+    call: Caller,
+    jiuwen_engine: LocalEngine,
+    jiuwen_hook: jiuwen_hooks.Hook,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(jiuwen_hook.client, "send", broken)
+    monkeypatch.setattr(jiuwen_hook.client, "asend", abroken)
+    reply = rewrite_once(call)
+    assert reply.choices[0].message.content == "ok (2 messages)"
+    assert jiuwen_engine.releases == []
+    assert jiuwen_hooks.stats()["internal_errors"] == 1
+
+
+def test_a_bug_after_a_compressor_is_counted(
+    jiuwen_hook: jiuwen_hooks.Hook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jiuwen_hook.table, "rewrite", broken)
+    window = system_and_user(2)
+    with jiuwen_hooks.session("s"):
+        assert jiuwen_hook.after_compress("summarise", window, window[:1]) is None
+    assert jiuwen_hooks.stats()["internal_errors"] == 1
