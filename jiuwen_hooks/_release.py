@@ -104,15 +104,16 @@ class ReleaseClient:
     def send(self, plan: ReleasePlan) -> Outcome:
         if (skipped := self._cooling_down(plan)) is not None:
             return skipped
-        with self._attempt(plan) as attempt:
+        with self._attempt(plan) as attempt:  # only the I/O differs from asend()
             try:
                 response = self._sync_client().post(
-                    plan.target.url, json=attempt.body, headers=attempt.headers
+                    attempt.url, json=attempt.body, headers=attempt.headers
                 )
                 response.read()
+                attempt.response = response
             except Exception as exc:
-                return attempt.finish(None, exc)
-            return attempt.finish(response, None)
+                attempt.error = exc
+        return attempt.result()
 
     async def asend(self, plan: ReleasePlan) -> Outcome:
         if (skipped := self._cooling_down(plan)) is not None:
@@ -120,12 +121,13 @@ class ReleaseClient:
         with self._attempt(plan) as attempt:
             try:
                 response = await self._async_client().post(
-                    plan.target.url, json=attempt.body, headers=attempt.headers
+                    attempt.url, json=attempt.body, headers=attempt.headers
                 )
                 await response.aread()
+                attempt.response = response
             except Exception as exc:
-                return attempt.finish(None, exc)
-            return attempt.finish(response, None)
+                attempt.error = exc
+        return attempt.result()
 
     def probe(self, root: str, api_key: str | None) -> EngineState:
         """``GET {root}/affinity/capabilities`` (synchronous; run off the agent's path). A 200
@@ -182,7 +184,9 @@ class ReleaseClient:
 
     @contextmanager
     def _attempt(self, plan: ReleasePlan) -> Iterator[_Attempt]:
-        """Span around the request, trace context in its headers, other instrumentation off."""
+        """Build the request (span around it, trace context in its headers, other
+        instrumentation off), let the caller do the I/O, then classify what came back and
+        record it: everything but the I/O, for both ``send`` and ``asend``."""
         attributes = span_attributes(plan)
         attributes["jiuwen.release.mode"] = "post"
         attributes["jiuwen.engine.state"] = str(self.engines.state(plan.target.root))
@@ -192,8 +196,14 @@ class ReleaseClient:
                 headers["Authorization"] = f"Bearer {plan.target.api_key}"
             propagate.inject(headers)
             with _no_instrumentation():
-                body = release_payload(plan)
-                yield _Attempt(self, plan, span, headers, body, time.perf_counter())
+                attempt = _Attempt(plan.target.url, headers, release_payload(plan))
+                started = time.perf_counter()
+                yield attempt
+            attempt.outcome = classify(attempt.response, attempt.error)
+            self._conclude(plan, attempt.outcome)
+            set_span_outcome(span, attempt.outcome)
+            duration = time.perf_counter() - started
+            self._telemetry.record_release(attempt.outcome, plan.release.reason, duration)
 
     def _conclude(self, plan: ReleasePlan, outcome: Outcome) -> None:
         url, root = plan.target.url, plan.target.root
@@ -238,20 +248,18 @@ def _no_instrumentation() -> Iterator[None]:
 
 @dataclass(slots=True)
 class _Attempt:
-    client: ReleaseClient
-    plan: ReleasePlan
-    span: Any
+    """One release request: what to send; then what came back, filled in by the I/O."""
+
+    url: str
     headers: dict[str, str]
     body: dict[str, Any]
-    started: float
+    response: httpx.Response | None = None
+    error: BaseException | None = None
+    outcome: Outcome | None = None
 
-    def finish(self, response: httpx.Response | None, exc: BaseException | None) -> Outcome:
-        duration = time.perf_counter() - self.started
-        outcome = classify(response, exc)
-        self.client._conclude(self.plan, outcome)
-        set_span_outcome(self.span, outcome)
-        self.client._telemetry.record_release(outcome, self.plan.release.reason, duration)
-        return outcome
+    def result(self) -> Outcome:
+        assert self.outcome is not None, "read after the attempt's block ended"
+        return self.outcome
 
 
 def span_attributes(plan: ReleasePlan) -> dict[str, Any]:
