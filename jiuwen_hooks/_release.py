@@ -26,6 +26,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import Status, StatusCode
 
+from vllm_affinity.contract import ReleaseReceipt
+
 from ._engines import EngineDirectory, EngineState, state_from_capabilities
 from ._options import Options
 from ._sessions import ReleasePlan
@@ -314,11 +316,10 @@ def classify(response: httpx.Response | None, exc: BaseException | None) -> Outc
     if status != 200:
         return Outcome(f"http_{status}", status_code=status, error_type=str(status))
     try:
-        data = response.json()
-        blocks = data["block_released"]
-        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
-            raise ValueError(blocks)
-    except Exception:
+        receipt = ReleaseReceipt.model_validate(response.json())
+    except Exception:  # not JSON, not an object, no valid block_released
         return Outcome("invalid_response", status_code=status, error_type="invalid_response")
-    engine_state = state_from_capabilities(data.get("capabilities"))
-    return Outcome("ok", block_released=blocks, status_code=status, engine_state=engine_state)
+    engine_state = state_from_capabilities(receipt.capabilities)
+    return Outcome(
+        "ok", block_released=receipt.block_released, status_code=status, engine_state=engine_state
+    )

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from vllm_affinity.contract import ReleaseReceipt
+
 
 @dataclass(frozen=True)
 class RecordedRequest:
@@ -310,12 +312,12 @@ class _Handler(BaseHTTPRequestHandler):
             window = len(body.get("messages") or body.get("input") or [])
             window += 1 if body.get("instructions") else 0
             blocks = max(0, window - int(body.get("messages_released_index") or 0))
-        answer_body: dict[str, Any] = {
+        capabilities = CAPABILITIES if self.records.in_request else None
+        receipt = ReleaseReceipt(block_released=blocks, capabilities=capabilities)
+        answer_body = {
             "cache_salt": body.get("cache_salt"),
-            "block_released": blocks,
+            **receipt.model_dump(exclude_none=True),
         }
-        if self.records.in_request:
-            answer_body["capabilities"] = CAPABILITIES
         self._send(200, json.dumps(answer_body).encode())
 
     def _chat(self, request: RecordedRequest) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 CONTRACT = Path(__file__).resolve().parents[1] / "docs" / "contract.md"
 
 
@@ -20,11 +18,20 @@ def field_names(model: type) -> set[str]:
 
 
 def test_release_request_fields_are_all_documented() -> None:
-    pytest.importorskip("fastapi")
-    from vllm_affinity.route import ReleaseRequest
+    from vllm_affinity.contract import ReleaseRequest
 
     table = re.findall(r"^\| `(\w+)` \|", documented(), flags=re.MULTILINE)
     assert set(table) == field_names(ReleaseRequest)
+
+
+def test_answer_fields_are_all_documented() -> None:
+    """Every figure of an engine's release is in the documented 200 answer."""
+    from vllm_affinity.contract import EngineRelease, ReleaseReceipt
+
+    answer = re.search(r"\*\*Answer 200\*\*.*?```(.*?)```", documented(), flags=re.DOTALL)
+    assert answer is not None
+    for name in field_names(EngineRelease) | field_names(ReleaseReceipt):
+        assert f'"{name}"' in answer.group(1), f"{name} is not in the documented answer"
 
 
 def test_agent_hint_fields_are_all_documented() -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
+from .contract import ReleaseRequest, merge_status
 from .core.agent_hint import AgentHint, AgentHintError
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ async def answer_management(
 
 
 async def _act(service: ReleaseService, request: Any, hint: AgentHint) -> dict[str, Any]:
-    from .route import ReleaseError, ReleaseRequest, merge_status
+    from .route import ReleaseError
 
     if service.engine_client.errored:
         raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")

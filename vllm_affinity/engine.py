@@ -28,6 +28,7 @@ from typing import Any
 import wrapt
 
 from .compat import check_supported_vllm
+from .contract import EngineRelease
 from .core import (
     ReleaseResult,
     ReleaseSelection,
@@ -142,14 +143,14 @@ class PoolAffinity:
         self.counters["blocks_moved"] += moved
         self.counters["blocks_pending"] += pending
         self.counters[f"blocks_released_{mode}"] += moved + pending
-        return {
-            "status": selection.status,
-            "block_released": moved + pending,
-            "moved": moved,
-            "pending": pending,
-            "kept_shared": selection.kept_shared,
-            "first_stale_block": first_block,
-        }
+        return EngineRelease(
+            status=selection.status,
+            block_released=moved + pending,
+            moved=moved,
+            pending=pending,
+            kept_shared=selection.kept_shared,
+            first_stale_block=first_block,
+        ).model_dump()
 
     def on_new_request(self, request: Any, release_on_divergence: bool) -> None:
         """A request entered the scheduler: act on its in-request hint (or, when the server

@@ -24,10 +24,11 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from opentelemetry import propagate, trace
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from ._version import plugin_version
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
+from .contract import EngineRelease, ReleaseRequest
 from .core import HintError, ReleaseHint
 from .core.hint import HEADER as HINT_HEADER
 from .engine import HINT_KEY
@@ -48,60 +49,6 @@ CAPABILITIES: dict[str, Any] = {
     "session_header": "X-Session-ID",
     "agent_hint": True,
 }
-
-
-class ReleaseRequest(BaseModel):
-    """The body of ``POST /release_kv_cache`` (see the README for the contract).
-
-    The previous window is either a Chat Completions window (``messages``) or a Responses API
-    window (``input`` items, with ``instructions``); ``messages_released_index`` indexes the
-    window, where ``instructions`` count as its first item.
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1)
-    cache_salt: str = Field(min_length=1, max_length=512)
-    cache_sharing: bool | None = None
-    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
-    input: list[dict[str, Any]] | None = None
-    instructions: str | None = None
-    messages_released_index: int = Field(ge=0)
-    tools: list[dict[str, Any]] | None = None
-    tools_released_index: int | None = Field(default=None, ge=0)
-
-    @property
-    def is_responses(self) -> bool:
-        return self.input is not None
-
-    @property
-    def window_length(self) -> int:
-        if self.input is not None:
-            return len(self.input) + (1 if self.instructions else 0)
-        return len(self.messages or ())
-
-    @model_validator(mode="after")
-    def _indices_in_range(self) -> ReleaseRequest:
-        if (self.messages is None) == (self.input is None):
-            raise ValueError("give exactly one of messages (chat) or input (responses)")
-        if self.instructions is not None and self.input is None:
-            raise ValueError("instructions given without input")
-        if self.window_length == 0:
-            raise ValueError("the window is empty")
-        if self.messages_released_index > self.window_length:
-            raise ValueError(
-                f"messages_released_index={self.messages_released_index} is beyond the "
-                f"{self.window_length} items of the window sent"
-            )
-        if self.tools_released_index is not None:
-            if self.tools is None:
-                raise ValueError("tools_released_index given without tools")
-            if self.tools_released_index > len(self.tools):
-                raise ValueError(
-                    f"tools_released_index={self.tools_released_index} is beyond the "
-                    f"{len(self.tools)} tools sent"
-                )
-        return self
 
 
 class ReleaseError(Exception):
@@ -221,16 +168,10 @@ class ReleaseService:
 
     @staticmethod
     def summed(results: list[dict[str, Any]]) -> dict[str, Any]:
-        """One release's figures over every engine (data parallel)."""
-        return {
-            "block_released": sum(r["block_released"] for r in results),
-            "moved": sum(r["moved"] for r in results),
-            "pending": sum(r["pending"] for r in results),
-            "kept_shared": sum(r["kept_shared"] for r in results),
-            "status": merge_status(r["status"] for r in results),
-            "first_stale_block": min(r["first_stale_block"] for r in results),
-            "prompt_tokens": max(r.get("prompt_tokens", 0) for r in results),
-        }
+        """One release's figures over every engine (data parallel), checked against the
+        contract on the way."""
+        engines = [EngineRelease.model_validate(r) for r in results]
+        return EngineRelease.summed(engines).model_dump()
 
     def _shares_cache(self, request: ReleaseRequest) -> bool:
         """Whether the session's chat requests were hashed without their salt."""
@@ -349,12 +290,6 @@ def _responses_request(
         )
     except ValidationError as exc:
         raise ReleaseError(400, f"invalid input or tools: {exc.errors()[0]['msg']}") from None
-
-
-def merge_status(statuses: Any) -> str:
-    """One status for a release carried out in every engine."""
-    statuses = set(statuses)
-    return "ok" if "ok" in statuses else (statuses.pop() if len(statuses) == 1 else "mixed")
 
 
 @router.post("/release_kv_cache")

@@ -59,6 +59,7 @@ def test_release_moves_stale_blocks_including_generated_ones() -> None:
         "pending": 0,
         "kept_shared": 0,
         "first_stale_block": 2,
+        "prompt_tokens": 0,  # filled in by the hash-chain paths, which know the record
     }
     sizes = state.queue.segment_sizes()
     assert sizes["released"] == 3 and sizes["normal"] == 2

@@ -7,9 +7,10 @@ import pytest
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+from vllm_affinity.contract import ReleaseRequest
 from vllm_affinity.core import HintError, ReleaseHint
 from vllm_affinity.engine import HINT_KEY
-from vllm_affinity.route import ReleaseRequest, apply_cache_sharing, apply_release_hint
+from vllm_affinity.route import apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
 
 

@@ -1,0 +1,118 @@
+"""The wire contract as pydantic models: what a release request says, what one engine core
+answers, and what a client may rely on in a 200 answer. No vLLM and no FastAPI import, so the
+hook's classification and the test server use these too; ``docs/contract.md`` is checked
+against them (``tests/test_docs_contract.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ReleaseRequest(BaseModel):
+    """The body of ``POST /release_kv_cache`` (see the README for the contract).
+
+    The previous window is either a Chat Completions window (``messages``) or a Responses API
+    window (``input`` items, with ``instructions``); ``messages_released_index`` indexes the
+    window, where ``instructions`` count as its first item.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    cache_salt: str = Field(min_length=1, max_length=512)
+    cache_sharing: bool | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    input: list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    messages_released_index: int = Field(ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tools_released_index: int | None = Field(default=None, ge=0)
+
+    @property
+    def is_responses(self) -> bool:
+        return self.input is not None
+
+    @property
+    def window_length(self) -> int:
+        if self.input is not None:
+            return len(self.input) + (1 if self.instructions else 0)
+        return len(self.messages or ())
+
+    @model_validator(mode="after")
+    def _indices_in_range(self) -> ReleaseRequest:
+        if (self.messages is None) == (self.input is None):
+            raise ValueError("give exactly one of messages (chat) or input (responses)")
+        if self.instructions is not None and self.input is None:
+            raise ValueError("instructions given without input")
+        if self.window_length == 0:
+            raise ValueError("the window is empty")
+        if self.messages_released_index > self.window_length:
+            raise ValueError(
+                f"messages_released_index={self.messages_released_index} is beyond the "
+                f"{self.window_length} items of the window sent"
+            )
+        if self.tools_released_index is not None:
+            if self.tools is None:
+                raise ValueError("tools_released_index given without tools")
+            if self.tools_released_index > len(self.tools):
+                raise ValueError(
+                    f"tools_released_index={self.tools_released_index} is beyond the "
+                    f"{len(self.tools)} tools sent"
+                )
+        return self
+
+
+class EngineRelease(BaseModel):
+    """One engine core's result of one release (``PoolAffinity._apply``); the 200 answer of
+    ``POST /release_kv_cache`` is these figures summed over the engines, plus timings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: str
+    #: Blocks demoted now (``moved``) or when their running request frees them (``pending``).
+    block_released: int = Field(ge=0)
+    moved: int = Field(ge=0)
+    pending: int = Field(ge=0)
+    #: Stale blocks kept because another session's latest request holds them.
+    kept_shared: int = Field(ge=0)
+    first_stale_block: int = Field(ge=0)
+    #: Prompt length of the session's latest request (0 when the session is unknown).
+    prompt_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _released_is_moved_plus_pending(self) -> EngineRelease:
+        if self.block_released != self.moved + self.pending:
+            raise ValueError("block_released must equal moved + pending")
+        return self
+
+    @classmethod
+    def summed(cls, engines: Sequence[EngineRelease]) -> EngineRelease:
+        """Every data-parallel engine's part of one release, as one."""
+        return cls(
+            status=merge_status(e.status for e in engines),
+            block_released=sum(e.block_released for e in engines),
+            moved=sum(e.moved for e in engines),
+            pending=sum(e.pending for e in engines),
+            kept_shared=sum(e.kept_shared for e in engines),
+            first_stale_block=min(e.first_stale_block for e in engines),
+            prompt_tokens=max(e.prompt_tokens for e in engines),
+        )
+
+
+class ReleaseReceipt(BaseModel):
+    """What a client relies on in a 200 answer. Lenient on purpose: any server of the seed's
+    contract answers at least ``block_released``; the plugin adds its ``capabilities``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    block_released: int = Field(ge=0, strict=True)
+    capabilities: dict[str, Any] | None = None
+
+
+def merge_status(statuses: Iterable[str]) -> str:
+    """One status for a release carried out in every engine."""
+    found = set(statuses)
+    return "ok" if "ok" in found else (found.pop() if len(found) == 1 else "mixed")
