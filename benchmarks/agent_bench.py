@@ -196,7 +196,7 @@ def replay(
     out["plugin"]["releases_post"] = hook_stats.get("releases.ok", 0)
     out["plugin"]["releases_in_request"] = hook_stats.get("releases.in_request", 0)
     (engine,) = plugin.affinity_stats()["engines"]
-    out["plugin"]["blocks_released"] = engine.get("blocks_moved", 0) + engine.get(
+    out["plugin"]["block_released"] = engine.get("blocks_moved", 0) + engine.get(
         "blocks_pending", 0
     )
     out["plugin"]["released_blocks_reused"] = engine["released_reused"]

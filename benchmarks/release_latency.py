@@ -81,7 +81,7 @@ def in_request_release(
     assert grew("releases_in_request") == 1, (before, after)
     return {
         "in_request_engine_us": grew("release_us_in_request"),
-        "in_request_block_released": grew("blocks_released_in_request"),
+        "in_request_block_released": grew("block_released_in_request"),
     }
 
 

@@ -139,7 +139,7 @@ def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider:
         )
     say(f"  the hook sent {result['plugin']['releases_in_request']} releases on the chat requests "
         f"themselves ({result['plugin']['releases_post']} as POST), freeing "
-        f"{result['plugin']['blocks_released']} blocks")  # fmt: skip
+        f"{result['plugin']['block_released']} blocks")  # fmt: skip
 
 
 def main() -> int:

@@ -140,7 +140,7 @@ class Telemetry:
         with self._lock:
             self._counts[f"releases.{outcome.outcome}"] += 1
             self._counts["releases.total"] += 1
-            self._counts["blocks_released"] += blocks
+            self._counts["block_released"] += blocks
 
     def record_skip(self, reason: str) -> None:
         self._skipped.add(1, {"reason": reason})

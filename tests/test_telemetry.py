@@ -73,7 +73,7 @@ def test_metrics(
     (histogram,) = m.metric_points("jiuwen.kv_release.duration")[:1]
     assert sum(p.count for p in m.metric_points("jiuwen.kv_release.duration")) == 3
     assert histogram.sum > 0
-    assert jiuwen_hooks.stats()["blocks_released"] == 3
+    assert jiuwen_hooks.stats()["block_released"] == 3
 
 
 def test_skips_are_counted(

@@ -142,7 +142,7 @@ class PoolAffinity:
         self.counters[f"releases_{mode}"] += 1
         self.counters["blocks_moved"] += moved
         self.counters["blocks_pending"] += pending
-        self.counters[f"blocks_released_{mode}"] += moved + pending
+        self.counters[f"block_released_{mode}"] += moved + pending
         return EngineRelease(
             status=selection.status,
             block_released=moved + pending,

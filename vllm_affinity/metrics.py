@@ -45,7 +45,7 @@ class _EngineCollector:
             labels=["mode", "engine"],
         )
         released = CounterMetricFamily(
-            "vllm_affinity_engine_blocks_released",
+            "vllm_affinity_engine_block_released",
             "Blocks released in the engine (moved or pending), by path",
             labels=["mode", "engine"],
         )
@@ -75,7 +75,7 @@ class _EngineCollector:
             restored.add_metric([engine], stats.get("blocks_restored", 0))
             for mode in RELEASE_MODES:
                 releases.add_metric([mode, engine], stats.get(f"releases_{mode}", 0))
-                released.add_metric([mode, engine], stats.get(f"blocks_released_{mode}", 0))
+                released.add_metric([mode, engine], stats.get(f"block_released_{mode}", 0))
         yield blocks
         yield pending
         yield reused
@@ -97,7 +97,7 @@ class AffinityMetrics:
             registry=registry,
         )
         self._blocks = Counter(
-            "vllm_affinity_blocks_released",
+            "vllm_affinity_block_released",
             "KV blocks released (moved or pending)",
             registry=registry,
         )
@@ -127,7 +127,7 @@ class AffinityMetrics:
     def count_blocks(self, n: int) -> None:
         self._blocks.inc(n)
         with self._lock:
-            self._counts["blocks_released"] += n
+            self._counts["block_released"] += n
 
     def count_management(self, action: str, outcome: str) -> None:
         self._management.labels(action=action, outcome=outcome).inc()

@@ -23,7 +23,7 @@ def test_quick_benchmark_pipeline(tmp_path: Path) -> None:
     # every compaction is released on the chat request itself; none needs a POST
     assert run["plugin"]["releases_in_request"] == sum(result["trace"]["compactions"].values())
     assert run["plugin"]["releases_post"] == 0
-    assert run["plugin"]["blocks_released"] > 0
+    assert run["plugin"]["block_released"] > 0
     assert set(run["ttft_ratio"]) == {"p50", "p90"}
     paired = run["ttft_paired"]
     assert 0 < paired["p10"] <= paired["median"] <= paired["p90"]

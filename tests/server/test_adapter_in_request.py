@@ -57,7 +57,7 @@ def test_hinted_request_releases_exactly_the_diverging_blocks() -> None:
     state.on_new_request(hinted(new, "A"), release_on_divergence=False)
     assert state.counters["releases_in_request"] == 1
     # blocks 5..7 of the prompt; the generated tokens sit in the partial tail (uncached)
-    assert state.counters["blocks_released_in_request"] == 3
+    assert state.counters["block_released_in_request"] == 3
     released = {b.block_id for b in state.queue.get_all_free_blocks()} & set(old_blocks[5:])
     assert released == set(old_blocks[5:8])
     assert state.queue.segment_sizes()["released"] == 3
@@ -93,7 +93,7 @@ def test_unhinted_request_releases_nothing_unless_the_server_says_so() -> None:
     assert state.counters["releases"] == 0
     state.on_new_request(hinted(new, "A", hint=False), release_on_divergence=True)
     assert state.counters["releases_divergence"] == 1
-    assert state.counters["blocks_released_divergence"] == 5
+    assert state.counters["block_released_divergence"] == 5
 
 
 def test_pure_append_releases_nothing_even_with_a_hint() -> None:
@@ -103,7 +103,7 @@ def test_pure_append_releases_nothing_even_with_a_hint() -> None:
     state = state_of(manager)
     state.on_new_request(hinted([*old, *range(7000, 7000 + BLOCK)], "A"), False)
     assert state.counters["releases_in_request"] == 1
-    assert state.counters["blocks_released_in_request"] == 0
+    assert state.counters["block_released_in_request"] == 0
 
 
 def test_hint_without_session_or_for_an_unknown_session() -> None:
@@ -124,7 +124,7 @@ def test_shared_blocks_are_kept_for_the_other_session() -> None:
     finished_turn(manager, shared, "A")
     state = state_of(manager)
     state.on_new_request(hinted([*shared[:BLOCK], *range(9000, 9000 + 3 * BLOCK)], "A"), False)
-    assert state.counters["blocks_released_in_request"] == 1  # only A's own recomputed block
+    assert state.counters["block_released_in_request"] == 1  # only A's own recomputed block
     assert state.queue.segment_sizes()["released"] == 1
 
 

@@ -179,14 +179,14 @@ def test_metrics_show_segments(vllm_affinity_server: VLLMServer) -> None:
     messages = window(seed=57, words=60)
     chat(server, "metrics", messages)
     requests = server.metric("vllm_affinity_release_requests_total", outcome="ok")
-    blocks = server.metric("vllm_affinity_blocks_released_total")
+    blocks = server.metric("vllm_affinity_block_released_total")
     released = server.release(release_body("metrics", messages, 1)).json()["block_released"]
     assert released > 0
     stats = engine(server)  # also refreshes the snapshot behind /metrics
     for segment, count in stats["segments"].items():
         assert server.metric("vllm_affinity_blocks", segment=segment) == count
     assert server.metric("vllm_affinity_release_requests_total", outcome="ok") == requests + 1
-    assert server.metric("vllm_affinity_blocks_released_total") == blocks + released
+    assert server.metric("vllm_affinity_block_released_total") == blocks + released
 
 
 def test_concurrent_releases_during_generation(vllm_affinity_server: VLLMServer) -> None:
@@ -252,4 +252,4 @@ def test_installed_hook_posts_when_in_request_is_off(vllm_affinity_server: VLLMS
     (span,) = capture.spans("kv_cache.release")
     assert span.attributes["jiuwen.release.messages_released_index"] == 3
     assert span.attributes["jiuwen.release.block_released"] > 0
-    assert stats["blocks_released"] == span.attributes["jiuwen.release.block_released"]
+    assert stats["block_released"] == span.attributes["jiuwen.release.block_released"]

@@ -89,7 +89,7 @@ def test_evict_of_a_messages_range_releases_exactly_and_runs_no_inference(
     assert figures["status"] == "ok"
     assert figures["block_released"] == cached - first_stale > 0
     assert figures["first_stale_block"] == first_stale
-    released = after["blocks_released_agent_hint"] - before.get("blocks_released_agent_hint", 0)
+    released = after["block_released_agent_hint"] - before.get("block_released_agent_hint", 0)
     assert released == figures["block_released"]
     assert finished_requests(server) == done_before  # no generation ran
     counted = server.metric("vllm_affinity_agent_hint_requests_total", action="evict", outcome="ok")

@@ -112,7 +112,7 @@ def test_in_request_release_is_exact_and_costs_no_round_trip(
     assert first_stale < common_prefix_length(old, cut) // BLOCK_SIZE  # earlier than message 3
     cached_blocks = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // BLOCK_SIZE
     assert grew(before, after, "releases_in_request") == 1
-    assert grew(before, after, "blocks_released_in_request") == cached_blocks - first_stale
+    assert grew(before, after, "block_released_in_request") == cached_blocks - first_stale
     assert grew(before, after, "releases_post") == 0
     assert release_posts(server) == posts_before  # no extra HTTP request
     stats = hook.stats()
@@ -304,6 +304,6 @@ def test_release_on_divergence_without_a_hint() -> None:
     first_stale = common_prefix_length(old, new) // BLOCK_SIZE
     cached_blocks = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // BLOCK_SIZE
     assert grew(before, after, "releases_divergence") == 1
-    assert grew(before, after, "blocks_released_divergence") == cached_blocks - first_stale
+    assert grew(before, after, "block_released_divergence") == cached_blocks - first_stale
     assert grew(after, last, "releases_divergence") == 1  # compared every time...
-    assert grew(after, last, "blocks_released_divergence") <= 1  # ...an append frees ~nothing
+    assert grew(after, last, "block_released_divergence") <= 1  # ...an append frees ~nothing

@@ -76,7 +76,7 @@ def test_compaction_releases_exactly(vllm_affinity_server: VLLMServer, mode: str
     usage = first.usage
     cached = (usage.input_tokens + usage.output_tokens - 1) // BLOCK_SIZE
     assert after[f"releases_{mode}"] - before.get(f"releases_{mode}", 0) == 1
-    released = after[f"blocks_released_{mode}"] - before.get(f"blocks_released_{mode}", 0)
+    released = after[f"block_released_{mode}"] - before.get(f"block_released_{mode}", 0)
     assert released == cached - first_stale
     assert released > 0
     stats = hook.stats()

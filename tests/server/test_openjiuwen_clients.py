@@ -105,7 +105,7 @@ def test_openjiuwen_0_1_19_agent_hint(server: VLLMServer, tmp_path: Path) -> Non
     assert run("0.1.19", "evict-range", server, tmp_path, start=3, **request)["ok"] is True
     after = engine(server)
     assert grew(before, after, "releases_agent_hint") == 1
-    released = grew(before, after, "blocks_released_agent_hint")
+    released = grew(before, after, "block_released_agent_hint")
     stale = stale_blocks(server, window, 3)
     assert stale <= released <= stale + 1  # the prompt's stale blocks, and the answer's
     assert server.metric("vllm:request_success_total") == done  # no generation ran
@@ -114,7 +114,7 @@ def test_openjiuwen_0_1_19_agent_hint(server: VLLMServer, tmp_path: Path) -> Non
     assert run("0.1.19", "evict-session", server, tmp_path, **request)["ok"] is True
     after = engine(server)
     assert grew(before, after, "releases_agent_hint") == 1
-    assert grew(before, after, "blocks_released_agent_hint") > 0  # the prefix kept by the range
+    assert grew(before, after, "block_released_agent_hint") > 0  # the prefix kept by the range
     assert server.metric("vllm:request_success_total") == done
     handled = server.metric("vllm_affinity_agent_hint_requests_total", action="evict", outcome="ok")
     assert handled == 2
@@ -129,4 +129,4 @@ def test_openjiuwen_0_1_16_release_kv_cache(server: VLLMServer, tmp_path: Path) 
     after = engine(server)
     assert grew(before, after, "releases_post") == 1
     stale = stale_blocks(server, window, 3)
-    assert stale <= grew(before, after, "blocks_released_post") <= stale + 1
+    assert stale <= grew(before, after, "block_released_post") <= stale + 1
