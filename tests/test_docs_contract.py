@@ -48,3 +48,12 @@ def test_in_request_hint_keys_are_documented() -> None:
 
     for key in _KEYS:
         assert f"`{key}`" in documented()
+
+
+def test_stats_fields_are_all_documented() -> None:
+    from vllm_affinity.contract import EngineStats, Segments
+
+    stats = re.search(r"## Stats.*?```(.*?)```", documented(), flags=re.DOTALL)
+    assert stats is not None
+    for name in field_names(EngineStats) | field_names(Segments):
+        assert f'"{name}"' in stats.group(1), f"{name} is not in the documented stats"

@@ -102,6 +102,38 @@ class EngineRelease(BaseModel):
         )
 
 
+class Segments(BaseModel):
+    """Free-queue blocks per segment (they sum to vLLM's free block count)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    free: int = Field(ge=0)
+    released: int = Field(ge=0)
+    normal: int = Field(ge=0)
+
+
+class EngineStats(BaseModel):
+    """One engine core's entry of ``GET /affinity/stats`` (and the source of ``/metrics``).
+    Besides these, the engine's counters appear under their own names: ``releases``,
+    ``releases_<mode>``, ``block_released_<mode>``, ``release_us_<mode>``, ``releases_<status>``,
+    ``blocks_moved``, ``blocks_pending``, ``restores``, ``blocks_restored``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    segments: Segments
+    #: Released blocks still in use: they move when freed.
+    pending: int = Field(ge=0)
+    released_reused: int = Field(ge=0)
+    sessions: int = Field(ge=0)
+    bindings: int = Field(ge=0)
+    sessions_evicted: int = Field(ge=0)
+    num_blocks: int = Field(ge=0)
+
+    def counter(self, name: str) -> int:
+        value = (self.model_extra or {}).get(name, 0)
+        return value if isinstance(value, int) else 0
+
+
 class ReleaseReceipt(BaseModel):
     """What a client relies on in a 200 answer. Lenient on purpose: any server of the seed's
     contract answers at least ``block_released``; the plugin adds its ``capabilities``."""

@@ -28,7 +28,7 @@ from typing import Any
 import wrapt
 
 from .compat import check_supported_vllm
-from .contract import EngineRelease
+from .contract import EngineRelease, EngineStats, Segments
 from .core import (
     ReleaseResult,
     ReleaseSelection,
@@ -166,16 +166,16 @@ class PoolAffinity:
             self.release_divergent(session, request.block_hashes, "divergence")
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "segments": self.queue.segment_sizes(),
-            "pending": self.queue.num_pending,
-            "released_reused": self.queue.released_reused,
-            "sessions": len(self.sessions),
-            "bindings": self.sessions.bindings,
-            "sessions_evicted": self.sessions.evicted,
-            "num_blocks": self.pool.num_gpu_blocks,
+        return EngineStats(
+            segments=Segments(**self.queue.segment_sizes()),
+            pending=self.queue.num_pending,
+            released_reused=self.queue.released_reused,
+            sessions=len(self.sessions),
+            bindings=self.sessions.bindings,
+            sessions_evicted=self.sessions.evicted,
+            num_blocks=self.pool.num_gpu_blocks,
             **dict(self.counters),
-        }
+        ).model_dump()
 
     def check(self, idle: bool) -> list[str]:
         """Invariant violations of the pool, the queue and the session table (empty when all

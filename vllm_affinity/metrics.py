@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .contract import EngineStats
+
 RELEASE_MODES = ("post", "in_request", "divergence", "agent_hint")
 
 
@@ -64,18 +66,18 @@ class _EngineCollector:
             "Session-block pairs held by the tracked sessions' latest requests",
             labels=["engine"],
         )
-        for index, stats in enumerate(engines):
-            engine = str(index)
-            for segment, count in stats["segments"].items():
+        for index, raw in enumerate(engines):
+            engine, stats = str(index), EngineStats.model_validate(raw)
+            for segment, count in stats.segments.model_dump().items():
                 blocks.add_metric([segment, engine], count)
-            pending.add_metric([engine], stats["pending"])
-            reused.add_metric([engine], stats["released_reused"])
-            sessions.add_metric([engine], stats.get("sessions", 0))
-            bindings.add_metric([engine], stats.get("bindings", 0))
-            restored.add_metric([engine], stats.get("blocks_restored", 0))
+            pending.add_metric([engine], stats.pending)
+            reused.add_metric([engine], stats.released_reused)
+            sessions.add_metric([engine], stats.sessions)
+            bindings.add_metric([engine], stats.bindings)
+            restored.add_metric([engine], stats.counter("blocks_restored"))
             for mode in RELEASE_MODES:
-                releases.add_metric([mode, engine], stats.get(f"releases_{mode}", 0))
-                released.add_metric([mode, engine], stats.get(f"block_released_{mode}", 0))
+                releases.add_metric([mode, engine], stats.counter(f"releases_{mode}"))
+                released.add_metric([mode, engine], stats.counter(f"block_released_{mode}"))
         yield blocks
         yield pending
         yield reused
