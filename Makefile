@@ -60,7 +60,7 @@ model: $(MODEL)
 
 ## demo: real vLLM (CPU) with the plugin, an agent with compaction, the releases and their effect
 demo: $(MODEL)
-	$(PY) examples/demo.py
+	PYTHONPATH=benchmarks $(PY) examples/demo.py
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own), then

@@ -23,7 +23,6 @@ import json
 import sys
 import time
 from contextlib import ExitStack, nullcontext
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,9 +38,11 @@ from jiuwen_hooks.testing import OtlpCollector
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_window
 from vllm_affinity.tiny_model import build
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from agent_bench import replay
-from agent_trace import TraceConfig, describe, generate
+try:  # the benchmark scripts, on PYTHONPATH (make demo puts benchmarks/ there)
+    from agent_bench import replay
+    from agent_trace import TraceConfig, describe, generate
+except ImportError:
+    sys.exit("run `make demo`, or `PYTHONPATH=benchmarks python examples/demo.py`")
 
 API_KEY = "demo-key"
 BLOCKS = 96
