@@ -322,7 +322,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pools", default="0.25,0.5,0.75,1.0", help="fractions of working set")
     parser.add_argument("--sessions", type=int, default=TraceConfig.sessions)
@@ -349,6 +349,88 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.pools, args.sessions, args.bursts, args.steps = "0.5", 3, 2, 3
+    return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenised:
+    """The trace as vLLM's renderer tokenises it, and the sizes the pools are cut from."""
+
+    requests: list[Request]
+    working_set: int
+    longest: int
+
+
+def tokenised(calls: list[Call], model: Any) -> Tokenised:
+    say("starting a server to tokenise the trace with vLLM's renderer ...")
+    with VLLMServer(model=model, plugin=False, num_blocks=512, api_key=API_KEY) as server:
+        tokens = tokenize(server, calls)
+    requests = [Request(c.session, t) for c, t in zip(calls, tokens, strict=True)]
+    found = Tokenised(requests, working_set(requests, BLOCK_SIZE), max(len(t) for t in tokens))
+    say(f"working set {found.working_set} blocks; longest prompt {found.longest} tokens")
+    return found
+
+
+def run_pool(
+    fraction: float, calls: list[Call], trace: Tokenised, model: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One pool size: both servers, the replay, and the simulator on the same pool."""
+    capacity = max(
+        math.ceil(fraction * trace.working_set),
+        -(-(trace.longest + MAX_TOKENS) // BLOCK_SIZE) + 1,
+    )
+    max_model_len = min(capacity * BLOCK_SIZE, 32768)
+    say(f"pool {fraction}x: {capacity} usable blocks; starting vanilla and plugin servers ...")
+    vanilla, plugin = start_pair(capacity + 1, max_model_len, tuple(args.cores.split(",")), model)
+    try:
+
+        def progress(i: int) -> None:
+            if (i + 1) % 20 == 0 or i + 1 == len(calls):
+                say(f"  pool {fraction}x: {i + 1}/{len(calls)} calls replayed on both servers")
+
+        run = replay(
+            calls,
+            vanilla,
+            plugin,
+            progress,
+            dispatch=args.dispatch,
+            in_request=args.release == "in_request",
+        )
+    finally:
+        vanilla.stop()
+        plugin.stop()
+    sim = {p: simulate(trace.requests, capacity, p, BLOCK_SIZE, MAX_TOKENS) for p in POLICIES}
+    run.update(
+        fraction=fraction,
+        num_blocks=capacity + 1,
+        simulated={p: {"hit_rate": round(v["hit_rate"], 4)} for p, v in sim.items()},
+        gap_closed=gap_closed(sim),
+        sim_vs_real_lru=round(sim["lru"]["hit_rate"] - run["vanilla"]["hit_rate"], 4),
+    )
+    say(
+        f"pool {fraction}x: hit rate vanilla {run['vanilla']['hit_rate']} vs plugin "
+        f"{run['plugin']['hit_rate']}; TTFT p50 {run['vanilla']['ttft_ms_p50']} vs "
+        f"{run['plugin']['ttft_ms_p50']} ms, p90 {run['vanilla']['ttft_ms_p90']} vs "
+        f"{run['plugin']['ttft_ms_p90']} ms; paired per-call ratio {run['ttft_paired']}"
+    )
+    return run
+
+
+def output_stem(args: argparse.Namespace) -> str:
+    """The result files' name: the settings that differ from the defaults are in it."""
+    stem = "agent_benchmark_quick" if args.quick else "agent_benchmark"
+    if args.cores != ",".join(SIDE_CORES):
+        stem += "_cores_" + args.cores.replace(",", "_")
+    for value, default in ((args.dispatch, "inline"), (args.release, "in_request")):
+        if value != default:
+            stem += "_" + value
+    if args.model != "tiny":
+        stem += "_" + args.model
+    return stem
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     config = TraceConfig(
         sessions=args.sessions, bursts_per_session=args.bursts, steps_per_burst=args.steps,
         seed=args.seed,
@@ -357,74 +439,21 @@ def main(argv: list[str] | None = None) -> int:
     say(f"trace: {json.dumps(describe(calls))}")
     say(f"building the {args.model} model ...")
     model = build_model(size=args.model)
-    fractions = [float(f) for f in args.pools.split(",")]
+    trace = tokenised(calls, model)
     result: dict[str, Any] = {
-        "trace": {**describe(calls), "config": dataclasses.asdict(config)},
+        "trace": {
+            **describe(calls),
+            "config": dataclasses.asdict(config),
+            "working_set_blocks": trace.working_set,
+            "longest_prompt_tokens": trace.longest,
+        },
         "dispatch": args.dispatch,
         "release": args.release,
         "model": args.model,
-        "runs": [],
+        "runs": [run_pool(float(f), calls, trace, model, args) for f in args.pools.split(",")],
     }
-    tokens: list[tuple[int, ...]] | None = None
-    for fraction in fractions:
-        if tokens is None:  # tokenise with vLLM's renderer on a roomy server, once
-            say("starting a server to tokenise the trace with vLLM's renderer ...")
-            with VLLMServer(model=model, plugin=False, num_blocks=512, api_key=API_KEY) as server:
-                tokens = tokenize(server, calls)
-            requests = [Request(c.session, t) for c, t in zip(calls, tokens, strict=True)]
-            ws = working_set(requests, BLOCK_SIZE)
-            longest = max(len(t) for t in tokens)
-            result["trace"].update(working_set_blocks=ws, longest_prompt_tokens=longest)
-            say(f"working set {ws} blocks; longest prompt {longest} tokens")
-        capacity = max(math.ceil(fraction * ws), -(-(longest + MAX_TOKENS) // BLOCK_SIZE) + 1)
-        max_model_len = min(capacity * BLOCK_SIZE, 32768)
-        say(f"pool {fraction}x: {capacity} usable blocks; starting vanilla and plugin servers ...")
-        vanilla, plugin = start_pair(
-            capacity + 1, max_model_len, tuple(args.cores.split(",")), model
-        )
-        try:
-
-            def progress(i: int, f: float = fraction) -> None:
-                if (i + 1) % 20 == 0 or i + 1 == len(calls):
-                    say(f"  pool {f}x: {i + 1}/{len(calls)} calls replayed on both servers")
-
-            run = replay(
-                calls,
-                vanilla,
-                plugin,
-                progress,
-                dispatch=args.dispatch,
-                in_request=args.release == "in_request",
-            )
-        finally:
-            vanilla.stop()
-            plugin.stop()
-        sim = {p: simulate(requests, capacity, p, BLOCK_SIZE, MAX_TOKENS) for p in POLICIES}
-        run.update(
-            fraction=fraction,
-            num_blocks=capacity + 1,
-            simulated={p: {"hit_rate": round(v["hit_rate"], 4)} for p, v in sim.items()},
-            gap_closed=gap_closed(sim),
-            sim_vs_real_lru=round(sim["lru"]["hit_rate"] - run["vanilla"]["hit_rate"], 4),
-        )
-        result["runs"].append(run)
-        say(
-            f"pool {fraction}x: hit rate vanilla {run['vanilla']['hit_rate']} vs plugin "
-            f"{run['plugin']['hit_rate']}; TTFT p50 {run['vanilla']['ttft_ms_p50']} vs "
-            f"{run['plugin']['ttft_ms_p50']} ms, p90 {run['vanilla']['ttft_ms_p90']} vs "
-            f"{run['plugin']['ttft_ms_p90']} ms; paired per-call ratio {run['ttft_paired']}"
-        )
-    out = Path(args.out)
+    out, stem = Path(args.out), output_stem(args)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "agent_benchmark_quick" if args.quick else "agent_benchmark"
-    if args.cores != ",".join(SIDE_CORES):
-        stem += "_cores_" + args.cores.replace(",", "_")
-    if args.dispatch != "inline":
-        stem += "_" + args.dispatch
-    if args.release != "in_request":
-        stem += "_" + args.release
-    if args.model != "tiny":
-        stem += "_" + args.model
     write_json(out / f"{stem}.json", result, echo=False, server_cores=args.cores)
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out / f"{stem}.png")
