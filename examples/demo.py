@@ -143,49 +143,75 @@ def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider:
         f"{result['plugin']['block_released']} blocks")  # fmt: skip
 
 
+def telemetry(stack: ExitStack) -> tuple[OtlpCollector | None, Any, TracerProvider]:
+    """A real OTLP collector when rotel is installed, and the agent's tracer provider (spans
+    also kept in memory, for part 1)."""
+    collector = None
+    if OtlpCollector.binary():
+        collector = stack.enter_context(OtlpCollector())
+        say(f"Started an OTLP collector (rotel) at {collector.http_endpoint}; "
+            f"it prints what it receives to {collector.log_path}")  # fmt: skip
+    else:
+        say("No OTLP collector installed (pip install rotel): spans stay in memory")
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "demo-agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    if collector is not None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack.callback(provider.shutdown)
+    return collector, memory, provider
+
+
+def start_servers(
+    stack: ExitStack, collector: OtlpCollector | None
+) -> tuple[VLLMServer, VLLMServer]:
+    """vLLM with the plugin (exporting traces to the collector) and vanilla vLLM, side by side."""
+    extra = ("--otlp-traces-endpoint", collector.grpc_endpoint) if collector is not None else ()
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache before the squeeze
+    plugin = VLLMServer(
+        plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra, env=dev, cpu_cores="0"
+    )
+    vanilla = VLLMServer(plugin=False, num_blocks=BLOCKS, api_key=API_KEY, env=dev, cpu_cores="1")
+    say(f"Starting vLLM with the plugin ({plugin.root_url}) and vanilla vLLM "
+        f"({vanilla.root_url}), {BLOCKS} KV blocks of {BLOCK_SIZE} tokens each, "
+        "about 40 s ...")  # fmt: skip
+    for server in (plugin, vanilla):
+        stack.callback(server.stop)
+        server.start(wait=False)
+    for server in (plugin, vanilla):
+        server.wait_healthy()
+    say(f"  logs: {plugin.log_path}, {vanilla.log_path}")
+    return plugin, vanilla
+
+
+def part_traces(collector: OtlpCollector) -> None:
+    say("\n4) Traces")
+
+    def all_arrived(spans: list[Any]) -> bool:
+        kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
+        return kinds.count("SPAN_KIND_SERVER") >= kinds.count("SPAN_KIND_CLIENT") > 0
+
+    spans = collector.wait_for(all_arrived, timeout=30)  # the server batches for ~5 s
+    releases = [s for s in spans if s.name == "kv_cache.release"]
+    clients = {s.trace_id for s in releases if s.kind == "SPAN_KIND_CLIENT"}
+    servers = {s.trace_id for s in releases if s.kind == "SPAN_KIND_SERVER"}
+    say(f"  the collector received {len(spans)} spans: {len(clients)} client "
+        f"release spans, {len(servers)} server release spans, "
+        f"{len(clients & servers)} traces holding both")  # fmt: skip
+    say(f"  (collector output: {collector.log_path})")
+
+
 def main() -> int:
     say("== Agent-aware KV-cache release: vLLM with vllm_affinity vs vanilla vLLM (CPU) ==")
     with ExitStack() as stack:
         try:
             say("Building the small local model (once) ...")
             build()
-            collector = None
-            if OtlpCollector.binary():
-                collector = stack.enter_context(OtlpCollector())
-                say(f"Started an OTLP collector (rotel) at {collector.http_endpoint}; "
-                    f"it prints what it receives to {collector.log_path}")  # fmt: skip
-            else:
-                say("No OTLP collector installed (pip install rotel): spans stay in memory")
-            memory = InMemorySpanExporter()
-            provider = TracerProvider(resource=Resource.create({"service.name": "demo-agent"}))
-            provider.add_span_processor(SimpleSpanProcessor(memory))
-            extra: tuple[str, ...] = ()
-            if collector is not None:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-
-                exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
-                provider.add_span_processor(SimpleSpanProcessor(exporter))
-                extra = ("--otlp-traces-endpoint", collector.grpc_endpoint)
-            stack.callback(provider.shutdown)
-            dev = {"VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache before the squeeze
-            plugin = VLLMServer(
-                plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra, env=dev,
-                cpu_cores="0",
-            )  # fmt: skip
-            vanilla = VLLMServer(
-                plugin=False, num_blocks=BLOCKS, api_key=API_KEY, env=dev, cpu_cores="1"
-            )
-            say(f"Starting vLLM with the plugin ({plugin.root_url}) and vanilla vLLM "
-                f"({vanilla.root_url}), {BLOCKS} KV blocks of {BLOCK_SIZE} tokens each, "
-                "about 40 s ...")  # fmt: skip
-            for server in (plugin, vanilla):
-                stack.callback(server.stop)
-                server.start(wait=False)
-            for server in (plugin, vanilla):
-                server.wait_healthy()
-            say(f"  logs: {plugin.log_path}, {vanilla.log_path}")
+            collector, memory, provider = telemetry(stack)
+            plugin, vanilla = start_servers(stack, collector)
             hook = jiuwen_hooks.install(tracer_provider=provider)
             stack.callback(jiuwen_hooks.uninstall)
 
@@ -195,20 +221,7 @@ def main() -> int:
 
             provider.force_flush()
             if collector is not None:
-                say("\n4) Traces")
-
-                def all_arrived(spans: list[Any]) -> bool:
-                    kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
-                    return kinds.count("SPAN_KIND_SERVER") >= kinds.count("SPAN_KIND_CLIENT") > 0
-
-                spans = collector.wait_for(all_arrived, timeout=30)  # the server batches for ~5 s
-                releases = [s for s in spans if s.name == "kv_cache.release"]
-                clients = {s.trace_id for s in releases if s.kind == "SPAN_KIND_CLIENT"}
-                servers = {s.trace_id for s in releases if s.kind == "SPAN_KIND_SERVER"}
-                say(f"  the collector received {len(spans)} spans: {len(clients)} client "
-                    f"release spans, {len(servers)} server release spans, "
-                    f"{len(clients & servers)} traces holding both")  # fmt: skip
-                say(f"  (collector output: {collector.log_path})")
+                part_traces(collector)
             say("\nDone; stopping the servers.")
         except KeyboardInterrupt:
             say("\nInterrupted; stopping everything.")
