@@ -149,30 +149,35 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  server free-queue segments now: {segments(server)}")
 
         hook.flush()  # compressor releases are sent off the agent's path
-        say("\nReleases sent (from the client's spans):")
-        for span in exporter.get_finished_spans():
-            a = span.attributes or {}
-            say(
-                f"  {span.name} ({a.get('jiuwen.release.mode')}) "
-                f"session={a.get('gen_ai.conversation.id')} "
-                f"reason={a.get('jiuwen.release.reason')} "
-                f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
-                f"block_released={a.get('jiuwen.release.block_released')} "
-                f"status={a.get('http.response.status_code')} "
-                f"trace_id={span.context.trace_id:032x}"
-            )
-        if engine is not None:
-            say("\nWhat the server got on /release_kv_cache (this local server has no KV cache;")
-            say("it answers block_released = number of released messages):")
-            for request in engine.releases:
-                say(f"  {describe_release(request.body)}")
-        say("\nHook counters: " + json.dumps(jiuwen_hooks.stats(), sort_keys=True))
-        if server is not None:
-            (stats,) = server.affinity_stats()["engines"]
-            say("Server counters: " + json.dumps(stats, sort_keys=True))
-            say("Stopping vLLM ...")
-        say("Spans were kept in memory and printed above.")
+        report(exporter, engine, server, say)
     return 0
+
+
+def report(exporter: InMemorySpanExporter, engine: Any, server: Any, say: Any) -> None:
+    """What was released: the client's spans, what a local server received, the counters."""
+    say("\nReleases sent (from the client's spans):")
+    for span in exporter.get_finished_spans():
+        a = span.attributes or {}
+        say(
+            f"  {span.name} ({a.get('jiuwen.release.mode')}) "
+            f"session={a.get('gen_ai.conversation.id')} "
+            f"reason={a.get('jiuwen.release.reason')} "
+            f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
+            f"block_released={a.get('jiuwen.release.block_released')} "
+            f"status={a.get('http.response.status_code')} "
+            f"trace_id={span.context.trace_id:032x}"
+        )
+    if engine is not None:
+        say("\nWhat the server got on /release_kv_cache (this local server has no KV cache;")
+        say("it answers block_released = number of released messages):")
+        for request in engine.releases:
+            say(f"  {describe_release(request.body)}")
+    say("\nHook counters: " + json.dumps(jiuwen_hooks.stats(), sort_keys=True))
+    if server is not None:
+        (stats,) = server.affinity_stats()["engines"]
+        say("Server counters: " + json.dumps(stats, sort_keys=True))
+        say("Stopping vLLM ...")
+    say("Spans were kept in memory and printed above.")
 
 
 def start_vllm(stack: ExitStack, api_key: str, say: Any) -> Any:
