@@ -57,3 +57,14 @@ def test_stats_fields_are_all_documented() -> None:
     assert stats is not None
     for name in field_names(EngineStats) | field_names(Segments):
         assert f'"{name}"' in stats.group(1), f"{name} is not in the documented stats"
+
+
+def test_the_readme_summary_names_every_request_field() -> None:
+    """The README's contract block (its first code block) is the short form of the same."""
+    from vllm_affinity.contract import ReleaseRequest
+
+    readme = (CONTRACT.parents[1] / "README.md").read_text()
+    block = re.search(r"```\n(.*?)```", readme, flags=re.DOTALL)
+    assert block is not None
+    for name in field_names(ReleaseRequest):
+        assert f'"{name}"' in block.group(1), f"{name} is not in the README's contract block"
