@@ -291,6 +291,20 @@ class VLLMServer:
                 total += value
         return total
 
+    def engine_stats(self) -> dict[str, Any]:
+        """The only engine's entry of ``/affinity/stats`` (a server without data parallelism)."""
+        (stats,) = self.affinity_stats()["engines"]
+        return stats
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt tokens of a chat window, rendered by the server's own template."""
+        body = {"model": SERVED_NAME, "messages": messages}
+        response = httpx.post(
+            self.root_url + "/tokenize", json=body, headers=self.headers(), timeout=30
+        )
+        response.raise_for_status()
+        return response.json()["tokens"]
+
     def affinity_stats(self) -> dict[str, Any]:
         response = httpx.get(self.root_url + "/affinity/stats", headers=self.headers(), timeout=30)
         response.raise_for_status()

@@ -19,18 +19,6 @@ from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_te
 pytestmark = pytest.mark.e2e
 
 
-def engine(server: VLLMServer) -> dict[str, Any]:
-    (stats,) = server.affinity_stats()["engines"]
-    return stats
-
-
-def tokens(server: VLLMServer, messages: list[dict[str, Any]]) -> list[int]:
-    body = {"model": SERVED_NAME, "messages": messages}
-    response = httpx.post(server.root_url + "/tokenize", json=body, headers=server.headers())
-    response.raise_for_status()
-    return response.json()["tokens"]
-
-
 def history(seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     roles = ("system", "user", "assistant", "user", "assistant", "user")
@@ -76,14 +64,14 @@ def test_evict_of_a_messages_range_releases_exactly_and_runs_no_inference(
     server, session = vllm_affinity_server, "oj-evict-range"
     window = history(41)
     first = chat(server, window, hint(session))
-    before, done_before = engine(server), finished_requests(server)
+    before, done_before = server.engine_stats(), finished_requests(server)
     edit = {"type": "evict", "target": "messages", "start": 3, "end": len(window)}
     answer = manage(server, window, hint(session, edits=[edit]))
-    after = engine(server)
+    after = server.engine_stats()
     assert answer.choices[0].message.content == ""
     assert answer.usage.total_tokens == 0
     figures = answer.model_extra["kv_cache"]
-    old, cut = tokens(server, window), tokens(server, window[:3])
+    old, cut = server.tokenize(window), server.tokenize(window[:3])
     first_stale = common_prefix_length(old, cut) // BLOCK_SIZE
     cached = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // BLOCK_SIZE
     assert figures["status"] == "ok"
@@ -111,14 +99,14 @@ def test_offload_demotes_and_prefetch_brings_back(vllm_affinity_server: VLLMServ
     server, session = vllm_affinity_server, "oj-offload"
     window = history(43)
     chat(server, window, hint(session))
-    released_before = engine(server)["segments"]["released"]
+    released_before = server.engine_stats()["segments"]["released"]
     offload = manage(server, [], hint(session, edits=[{"type": "offload", "target": "session"}]))
     moved = offload.model_extra["kv_cache"]["moved"]
     assert moved > 0
-    assert engine(server)["segments"]["released"] == released_before + moved
+    assert server.engine_stats()["segments"]["released"] == released_before + moved
     prefetch = manage(server, [], hint(session, edits=[{"type": "prefetch", "target": "session"}]))
     assert prefetch.model_extra["kv_cache"]["blocks_restored"] == moved
-    assert engine(server)["segments"]["released"] == released_before
+    assert server.engine_stats()["segments"]["released"] == released_before
     with client(server) as c:  # offloaded blocks kept their hashes: they still hit
         again = c.chat.completions.create(
             model=SERVED_NAME,
@@ -179,7 +167,7 @@ def test_bad_agent_hints_get_400_and_change_nothing(
     vllm_affinity_server: VLLMServer, case: str, agent_hint: Any
 ) -> None:
     server = vllm_affinity_server
-    before, done_before = engine(server), finished_requests(server)
+    before, done_before = server.engine_stats(), finished_requests(server)
     body = {"model": SERVED_NAME, "messages": history(44)[:3], "agent_hint": agent_hint}
     response = httpx.post(
         server.base_url + "/chat/completions", json=body, headers=server.headers(), timeout=60
@@ -187,7 +175,7 @@ def test_bad_agent_hints_get_400_and_change_nothing(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == 400 and error["message"]
-    after = engine(server)
+    after = server.engine_stats()
     assert after["segments"] == before["segments"]
     assert after.get("releases", 0) == before.get("releases", 0)
     assert finished_requests(server) == done_before

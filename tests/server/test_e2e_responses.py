@@ -29,18 +29,6 @@ def clean() -> Iterator[None]:
     jiuwen_hooks.uninstall()
 
 
-def engine(server: VLLMServer) -> dict[str, Any]:
-    (stats,) = server.affinity_stats()["engines"]
-    return stats
-
-
-def chat_tokens(server: VLLMServer, messages: list[dict[str, Any]]) -> list[int]:
-    body = {"model": SERVED_NAME, "messages": messages}
-    response = httpx.post(server.root_url + "/tokenize", json=body, headers=server.headers())
-    response.raise_for_status()
-    return response.json()["tokens"]
-
-
 def history(seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [
@@ -62,16 +50,16 @@ def test_compaction_releases_exactly(vllm_affinity_server: VLLMServer, mode: str
             model=SERVED_NAME, instructions=INSTRUCTIONS, input=items, max_output_tokens=4
         )
         hook.flush()
-        before = engine(server)
+        before = server.engine_stats()
         compacted = [*items[:2], {"role": "user", "content": "summary: nothing new"}]
         client.responses.create(
             model=SERVED_NAME, instructions=INSTRUCTIONS, input=compacted, max_output_tokens=2
         )
         hook.flush()
-    after = engine(server)
+    after = server.engine_stats()
     system = {"role": "system", "content": INSTRUCTIONS}
-    old = chat_tokens(server, [system, *items])
-    cut = chat_tokens(server, [system, *items[:2]])  # window index 3 = input[2] is stale
+    old = server.tokenize([system, *items])
+    cut = server.tokenize([system, *items[:2]])  # window index 3 = input[2] is stale
     first_stale = common_prefix_length(old, cut) // BLOCK_SIZE
     usage = first.usage
     cached = (usage.input_tokens + usage.output_tokens - 1) // BLOCK_SIZE
@@ -100,12 +88,12 @@ def test_malformed_responses_release_is_a_400(
 ) -> None:
     server = vllm_affinity_server
     payload = {"model": SERVED_NAME, "cache_salt": "bad", "messages_released_index": 1, **body}
-    before = engine(server)
+    before = server.engine_stats()
     response = httpx.post(
         server.root_url + "/release_kv_cache", json=payload, headers=server.headers()
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["code"] == 400
-    after = engine(server)
+    after = server.engine_stats()
     assert after.get("releases_post", 0) == before.get("releases_post", 0)

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from vllm_affinity.core import common_prefix_length
@@ -64,20 +63,8 @@ def run(generation: str, step: str, server: VLLMServer, tmp_path: Path, **reques
     return result
 
 
-def engine(server: VLLMServer) -> dict[str, Any]:
-    (stats,) = server.affinity_stats()["engines"]
-    return stats
-
-
 def grew(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
-
-
-def tokens(server: VLLMServer, messages: list[dict[str, Any]]) -> list[int]:
-    body = {"model": SERVED_NAME, "messages": messages}
-    response = httpx.post(server.root_url + "/tokenize", json=body, timeout=30)
-    response.raise_for_status()
-    return response.json()["tokens"]
 
 
 def history(seed: int) -> list[dict[str, Any]]:
@@ -89,8 +76,8 @@ def history(seed: int) -> list[dict[str, Any]]:
 def stale_blocks(server: VLLMServer, window: list[dict[str, Any]], start: int) -> int:
     """Blocks of the window's prompt from the first one that differs once cut at ``start``
     (the generated tokens' blocks come on top)."""
-    old = tokens(server, window)
-    first_stale = common_prefix_length(old, tokens(server, window[:start])) // BLOCK_SIZE
+    old = server.tokenize(window)
+    first_stale = common_prefix_length(old, server.tokenize(window[:start])) // BLOCK_SIZE
     return len(old) // BLOCK_SIZE - first_stale
 
 
@@ -99,11 +86,11 @@ def test_openjiuwen_0_1_19_agent_hint(server: VLLMServer, tmp_path: Path) -> Non
     request = {"session": session, "window": window}
     invoked = run("0.1.19", "invoke", server, tmp_path, **request)
     assert invoked["hint_kwargs"] == {"session_id": session, "parent_session_id": session}
-    assert engine(server)["sessions"] >= 1
+    assert server.engine_stats()["sessions"] >= 1
 
-    before, done = engine(server), server.metric("vllm:request_success_total")
+    before, done = server.engine_stats(), server.metric("vllm:request_success_total")
     assert run("0.1.19", "evict-range", server, tmp_path, start=3, **request)["ok"] is True
-    after = engine(server)
+    after = server.engine_stats()
     assert grew(before, after, "releases_agent_hint") == 1
     released = grew(before, after, "block_released_agent_hint")
     stale = stale_blocks(server, window, 3)
@@ -112,7 +99,7 @@ def test_openjiuwen_0_1_19_agent_hint(server: VLLMServer, tmp_path: Path) -> Non
 
     before = after
     assert run("0.1.19", "evict-session", server, tmp_path, **request)["ok"] is True
-    after = engine(server)
+    after = server.engine_stats()
     assert grew(before, after, "releases_agent_hint") == 1
     assert grew(before, after, "block_released_agent_hint") > 0  # the prefix kept by the range
     assert server.metric("vllm:request_success_total") == done
@@ -124,9 +111,9 @@ def test_openjiuwen_0_1_16_release_kv_cache(server: VLLMServer, tmp_path: Path) 
     window, session = history(52), "oj16-session"
     request = {"session": session, "window": window}
     run("0.1.16", "old-invoke", server, tmp_path, **request)
-    before = engine(server)
+    before = server.engine_stats()
     assert run("0.1.16", "old-release", server, tmp_path, start=3, **request)["ok"] is True
-    after = engine(server)
+    after = server.engine_stats()
     assert grew(before, after, "releases_post") == 1
     stale = stale_blocks(server, window, 3)
     assert stale <= grew(before, after, "block_released_post") <= stale + 1
