@@ -242,13 +242,15 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """Bind on a request's first allocation and whenever it got new blocks: once per block, not
-    once per decoded token (most decode steps allocate nothing)."""
+    once per decoded token (most decode steps allocate nothing). A request of no session is
+    never bound, and costs one attribute check per step."""
     result = wrapped(*args, **kwargs)
     if result is not None:
         request = args[0] if args else kwargs["request"]
-        state = affinity_of(instance.block_pool)
-        if state is not None and (not state.is_bound(request.request_id) or any(result.blocks)):
-            _bind(instance, request)
+        if _session_of(request):
+            state = affinity_of(instance.block_pool)
+            if state is not None and (any(result.blocks) or not state.is_bound(request.request_id)):
+                _bind(instance, request)
     return result
 
 
