@@ -34,6 +34,13 @@ def test_answer_fields_are_all_documented() -> None:
         assert f'"{name}"' in answer.group(1), f"{name} is not in the documented answer"
 
 
+def test_prefetch_figures_are_documented() -> None:
+    from vllm_affinity.contract import EngineRestore
+
+    for name in field_names(EngineRestore):
+        assert f'"{name}"' in documented(), f"EngineRestore.{name} is not in docs/contract.md"
+
+
 def test_agent_hint_fields_are_all_documented() -> None:
     from vllm_affinity.core.agent_hint import AgentHint, ContextManagement, Edit
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
-from .contract import ReleaseRequest, merge_status
+from .contract import EngineRestore, ReleaseError, ReleaseRequest
 from .core.agent_hint import AgentHint, AgentHintError
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ async def answer_management(
 ) -> Any:
     """Carry out a management request: vLLM's ``ChatCompletionResponse``, or its
     ``ErrorResponse`` (4xx) for a request that cannot be acted on, with nothing changed."""
-    from .route import ReleaseError
-
     headers = dict(getattr(raw_request, "headers", None) or {})
     attributes = {
         "jiuwen.release.protocol": "agent_hint",
@@ -87,10 +85,6 @@ async def answer_management(
 
 
 async def _act(service: ReleaseService, request: Any, hint: AgentHint) -> dict[str, Any]:
-    from .route import ReleaseError
-
-    if service.engine_client.errored:
-        raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
     checked = await service.serving_chat._check_model(request)
     if checked is not None:  # vLLM's ErrorResponse for an unknown model
         raise ReleaseError(checked.error.code, checked.error.message, checked.error.type)
@@ -118,11 +112,8 @@ async def _act(service: ReleaseService, request: Any, hint: AgentHint) -> dict[s
     started = time.perf_counter()
     if hint.action == "prefetch":
         results = await service.call_engines("affinity_restore_prompt", hint.session_id, cut, salt)
-        figures: dict[str, Any] = {
-            "status": merge_status(r["status"] for r in results),
-            "blocks_restored": sum(r["blocks_restored"] for r in results),
-            "first_stale_block": min(r["first_stale_block"] for r in results),
-        }
+        engines = [EngineRestore.model_validate(r) for r in results]
+        figures: dict[str, Any] = EngineRestore.summed(engines).model_dump()
     else:
         results = await service.call_engines(
             "affinity_release_prompt", hint.session_id, cut, salt, "agent_hint"
@@ -135,8 +126,6 @@ async def _act(service: ReleaseService, request: Any, hint: AgentHint) -> dict[s
 
 
 def _check_ranges(hint: AgentHint, num_messages: int, num_tools: int) -> None:
-    from .route import ReleaseError
-
     cm = hint.context_management
     for edit in cm.edits if cm is not None else ():
         size = num_messages if edit.target == "messages" else num_tools

@@ -65,6 +65,15 @@ class ReleaseRequest(BaseModel):
         return self
 
 
+class ReleaseError(Exception):
+    """A release request that cannot be acted on: answered with ``status`` in vLLM's error
+    shape (``kind`` is its ``type``), with nothing changed."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
 class EngineRelease(BaseModel):
     """One engine core's result of one release (``PoolAffinity._apply``); the 200 answer of
     ``POST /release_kv_cache`` is these figures summed over the engines, plus timings."""
@@ -99,6 +108,25 @@ class EngineRelease(BaseModel):
             kept_shared=sum(e.kept_shared for e in engines),
             first_stale_block=min(e.first_stale_block for e in engines),
             prompt_tokens=max(e.prompt_tokens for e in engines),
+        )
+
+
+class EngineRestore(BaseModel):
+    """One engine core's result of an openJiuwen ``prefetch`` (``restore_divergent``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: str
+    #: Released blocks put back at the most-recently-used end (not reused in the meantime).
+    blocks_restored: int = Field(ge=0)
+    first_stale_block: int = Field(ge=0)
+
+    @classmethod
+    def summed(cls, engines: Sequence[EngineRestore]) -> EngineRestore:
+        return cls(
+            status=merge_status(e.status for e in engines),
+            blocks_restored=sum(e.blocks_restored for e in engines),
+            first_stale_block=min(e.first_stale_block for e in engines),
         )
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import wrapt
 
 from .compat import check_supported_vllm
-from .contract import EngineRelease, EngineStats, Segments
+from .contract import EngineRelease, EngineRestore, EngineStats, Segments
 from .core import (
     ReleaseResult,
     ReleaseSelection,
@@ -128,7 +128,9 @@ class PoolAffinity:
             status = "ok"
         self.counters["restores"] += 1
         self.counters["blocks_restored"] += restored
-        return {"status": status, "blocks_restored": restored, "first_stale_block": first}
+        return EngineRestore(
+            status=status, blocks_restored=restored, first_stale_block=first
+        ).model_dump()
 
     def _hash_of(self, block_id: int) -> Any:
         block_hash = self.pool.blocks[block_id].block_hash
@@ -212,13 +214,9 @@ def _session_of(request: Any) -> str | None:
     return getattr(request, "session_id", None) or getattr(request, "cache_salt", None)
 
 
-def _bind(manager: Any, request: Any) -> PoolAffinity | None:
-    state = affinity_of(manager.block_pool)
-    session = _session_of(request)
-    if state is not None and session:
-        blocks = manager.coordinator.get_blocks(request.request_id)[0]
-        state.bind_request(session, request.request_id, blocks, request.num_prompt_tokens)
-    return state
+def _bind(state: PoolAffinity, session: str, manager: Any, request: Any) -> None:
+    blocks = manager.coordinator.get_blocks(request.request_id)[0]
+    state.bind_request(session, request.request_id, blocks, request.num_prompt_tokens)
 
 
 # -- wrappers --------------------------------------------------------------------------------
@@ -247,22 +245,25 @@ def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     result = wrapped(*args, **kwargs)
     if result is not None:
         request = args[0] if args else kwargs["request"]
-        if _session_of(request):
+        session = _session_of(request)
+        if session:
             state = affinity_of(instance.block_pool)
             if state is not None and (any(result.blocks) or not state.is_bound(request.request_id)):
-                _bind(instance, request)
+                _bind(state, session, instance, request)
     return result
 
 
 def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     request = args[0] if args else kwargs["request"]
-    state = _bind(instance, request)
+    session = _session_of(request)
+    state = affinity_of(instance.block_pool) if session else None
+    if state is None:
+        return wrapped(*args, **kwargs)
+    _bind(state, session, instance, request)  # the blocks as they are, before vLLM frees them
     try:
         return wrapped(*args, **kwargs)
     finally:
-        session = _session_of(request)
-        if state is not None and session:
-            state.request_done(session, request.request_id)
+        state.request_done(session, request.request_id)
 
 
 def _make_add_request(settings: Settings) -> Any:

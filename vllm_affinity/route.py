@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from ._version import plugin_version
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
-from .contract import EngineRelease, ReleaseRequest
+from .contract import EngineRelease, ReleaseError, ReleaseRequest
 from .core import HintError, ReleaseHint
 from .core.hint import HEADER as HINT_HEADER
 from .engine import HINT_KEY
@@ -49,12 +49,6 @@ CAPABILITIES: dict[str, Any] = {
     "session_header": "X-Session-ID",
     "agent_hint": True,
 }
-
-
-class ReleaseError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
 
 
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
@@ -144,16 +138,8 @@ class ReleaseService:
             raise ReleaseError(400, "request body is nested too deeply") from None
 
     async def _release(self, request: ReleaseRequest) -> dict[str, Any]:
-        if self.engine_client.errored:
-            raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
         started = time.perf_counter()
         cut = await self.render_cut(request)
-        if len(cut) > self.max_model_len:
-            raise ReleaseError(
-                400,
-                f"the rendered window has {len(cut)} tokens, over max_model_len "
-                f"{self.max_model_len}",
-            )
         rendered = time.perf_counter()
         salt = None if self._shares_cache(request) else request.cache_salt
         results = await self.call_engines("affinity_release_prompt", request.cache_salt, cut, salt)
@@ -178,6 +164,20 @@ class ReleaseService:
         return bool(request.cache_sharing) and self.settings.allow_cache_sharing
 
     async def render_cut(self, request: ReleaseRequest) -> list[int]:
+        """Tokens of the old window up to the released item (and tool), refused with 400 over
+        ``max_model_len``."""
+        if self.engine_client.errored:  # before any work: nothing can act on the cut
+            raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
+        cut = await self._render_cut(request)
+        if len(cut) > self.max_model_len:
+            raise ReleaseError(
+                400,
+                f"the rendered window has {len(cut)} tokens, over max_model_len "
+                f"{self.max_model_len}",
+            )
+        return cut
+
+    async def _render_cut(self, request: ReleaseRequest) -> list[int]:
         """Tokens of the old window up to the released item (and tool): what is still valid.
         The whole window is validated (vLLM's request model, no render). Index 0 releases
         everything: only the first item is rendered, to check the model and the template
@@ -246,6 +246,9 @@ class ReleaseService:
         return list(self.serving_chat._extract_prompt_components(engine_input).token_ids)
 
     async def call_engines(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        """A utility in every engine core (data parallel); 503 when the engine is dead."""
+        if self.engine_client.errored:
+            raise ReleaseError(503, "the engine is not running", "ServiceUnavailableError")
         core = self.engine_client.engine_core
         try:
             if hasattr(core, "call_utility_all_async"):
