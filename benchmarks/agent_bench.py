@@ -26,6 +26,7 @@ Output: ``<out>/agent_benchmark.json``, ``.md`` and ``.png`` (default ``benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -131,12 +132,18 @@ def prefix_counters(server: VLLMServer) -> tuple[float, float]:
 
 
 def warm_up(vanilla: VLLMServer, plugin: VLLMServer) -> None:
-    """First requests and the first release pay one-off costs (imports, template compilation)."""
+    """First requests and the first release pay one-off costs (imports, template compilation).
+    The plugin side's calls run in a session, so an installed hook discovers the engine (its
+    capability probe) now, not during the replay: a release due before the probe has answered
+    would go out as a POST."""
     call = Call("warm-up", [{"role": "user", "content": "hello"}], [])
     for server in (vanilla, plugin):
-        with openai.OpenAI(
-            base_url=server.base_url, api_key=server.api_key, max_retries=0
-        ) as client:
+        with (
+            openai.OpenAI(
+                base_url=server.base_url, api_key=server.api_key, max_retries=0
+            ) as client,
+            jiuwen_hooks.session("warm-up") if server is plugin else contextlib.nullcontext(),
+        ):
             for _ in range(2):
                 stream_call(client, call, Side())
     body = {"model": SERVED_NAME, "cache_salt": "warm-up", "messages": call.window,
@@ -159,11 +166,12 @@ def replay(
             "replay() installs its own hook with the benchmark's options; "
             "call jiuwen_hooks.uninstall() first"
         )
-    warm_up(vanilla, plugin)
-    sides = {"vanilla": Side(), "plugin": Side()}
-    before = {"vanilla": prefix_counters(vanilla), "plugin": prefix_counters(plugin)}
     hook = jiuwen_hooks.install(**hook_options)
     try:
+        warm_up(vanilla, plugin)
+        hook.flush()  # the capability probe has answered
+        sides = {"vanilla": Side(), "plugin": Side()}
+        before = {"vanilla": prefix_counters(vanilla), "plugin": prefix_counters(plugin)}
         with (
             openai.OpenAI(
                 base_url=vanilla.base_url, api_key=vanilla.api_key, max_retries=0
