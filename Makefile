@@ -19,7 +19,8 @@ OJ        := $(OJ_VENV)/.installed
 OJ16_VENV := .venv-openjiuwen016
 OJ16      := $(OJ16_VENV)/.installed
 
-.PHONY: demo test test-client lint format bench bench-client bench-server bench-agents model clean
+.PHONY: nginx demo test test-client lint format bench bench-client bench-server bench-agents \
+	bench-fleet model clean
 
 $(DEV): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +54,18 @@ $(OJ16):
 	$(OJ16_VENV)/bin/python -m pip --quiet --disable-pip-version-check install 'openjiuwen==0.1.16'
 	@touch $@
 
+# nginx (Debian's package) routes sessions to replicas in the scale-out test and benchmark.
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "Installing nginx (Debian package) ..."; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends nginx >/dev/null; }; \
+	  else \
+	    echo "nginx is missing: install it (Debian/Ubuntu: sudo apt-get install nginx)"; exit 1; \
+	  fi; }
+
 $(MODEL): $(SERVER) vllm_affinity/tiny_model.py
 	$(PY) -m vllm_affinity build-model
 
@@ -63,9 +76,9 @@ demo: $(MODEL)
 	PYTHONPATH=benchmarks $(PY) examples/demo.py
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
-## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own), then
-## the llama-index integration in its own virtualenv
-test: $(MODEL) $(LI) $(OJ) $(OJ16) lint
+## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
+## replicas behind nginx), then the llama-index integration in its own virtualenv
+test: $(MODEL) $(LI) $(OJ) $(OJ16) nginx lint
 	$(PY) -m pytest
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
 
@@ -82,7 +95,7 @@ format: $(DEV)
 	$(PY) -m ruff check --fix .
 
 ## bench: all benchmarks (results in benchmarks/results/)
-bench: bench-client bench-server bench-agents
+bench: bench-client bench-server bench-agents bench-fleet
 
 bench-client: $(DEV)
 	$(PY) benchmarks/hook_overhead.py
@@ -97,6 +110,10 @@ bench-server: $(MODEL)
 ## bench-agents: the multi-session agent benchmark, vanilla vs plugin (about 15 minutes)
 bench-agents: $(MODEL)
 	$(PY) benchmarks/agent_bench.py
+
+## bench-fleet: two replicas behind nginx, by session vs round-robin, with and without release
+bench-fleet: $(MODEL) nginx
+	$(PY) benchmarks/fleet_bench.py
 
 clean:
 	rm -rf $(VENV) $(LI_VENV) $(OJ_VENV) $(OJ16_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

@@ -100,7 +100,9 @@ class Side:
         }
 
 
-def stream_call(client: openai.OpenAI, call: Call, side: Side) -> None:
+def stream_call(
+    client: openai.OpenAI, call: Call, side: Side, headers: dict[str, str] | None = None
+) -> None:
     start = time.perf_counter()
     stream = client.chat.completions.create(
         model=SERVED_NAME,
@@ -110,6 +112,7 @@ def stream_call(client: openai.OpenAI, call: Call, side: Side) -> None:
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
+        extra_headers=headers,
     )
     first = None
     for chunk in stream:

@@ -15,6 +15,7 @@ any chat field outside the OpenAI API (as the OpenAI API and several gateways do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -126,8 +127,10 @@ class LocalEngine:
         return self
 
     def stop(self) -> None:
+        """Stop listening and close every open connection."""
         self._server.shutdown()
         self._server.server_close()
+        self._server.drop_connections()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -214,6 +217,30 @@ class LocalEngine:
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 512  # many agents connecting at once must not be refused
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def drop_connections(self) -> None:
+        """Close the kept-alive connections too, as a server that dies does (a proxy in front
+        must see this server gone, not keep using its open connections)."""
+        with self._open_lock:
+            open_now, self._open = list(self._open), set()
+        for connection in open_now:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that gave up (timeout) or a reset we caused ourselves is not an error here.

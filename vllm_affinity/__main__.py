@@ -6,10 +6,13 @@ Starts vLLM's OpenAI-compatible server with both plugin halves enabled (``VLLM_P
 
     python -m vllm_affinity serve .cache/tiny-llama --block-size 32 --port 8000
     python -m vllm_affinity build-model            # the small local model (prints its folder)
+    python -m vllm_affinity nginx-config --upstream 10.0.0.1:8000 --upstream 10.0.0.2:8000
+                                                   # nginx routing sessions to replicas
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from importlib.metadata import entry_points
@@ -54,6 +57,29 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
+def nginx_config(argv: list[str]) -> int:
+    from .router import nginx_config as render
+
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_affinity nginx-config",
+        description="Print the nginx http-block configuration that routes each session "
+        "(X-Session-ID) to one plugin replica, by consistent hashing.",
+    )
+    parser.add_argument(
+        "--upstream", action="append", required=True, metavar="HOST:PORT",
+        help="a replica (repeat for each)",
+    )  # fmt: skip
+    parser.add_argument("--listen", default="8000", help="nginx's listen address (default 8000)")
+    parser.add_argument(
+        "--round-robin", action="store_true",
+        help="round-robin instead (no session affinity: for comparison only)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    policy = "round_robin" if args.round_robin else "session"
+    print(render(args.upstream, args.listen, policy=policy), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -62,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         from .tiny_model import main as build_main
 
         return build_main(argv[1:])
+    if argv[:1] == ["nginx-config"]:
+        return nginx_config(argv[1:])
     print(USAGE)
     return 2
 

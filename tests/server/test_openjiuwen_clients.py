@@ -56,6 +56,7 @@ def run(generation: str, step: str, server: VLLMServer, tmp_path: Path, **reques
         text=True,
         timeout=300,
         check=False,
+        cwd=tmp_path,  # openJiuwen writes its logs/ folder into the working directory
     )
     assert done.returncode == 0, f"{step} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
