@@ -55,6 +55,7 @@ REQUIRED = {
         "_check_model",
     ),
     "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion": ("create_completion",),
+    "vllm.entrypoints.generate.base.serving.GenerateBaseServing": ("_get_data_parallel_rank",),
     "vllm.entrypoints.openai.responses.serving.OpenAIServingResponses": (
         "create_responses",
         "online_renderer",

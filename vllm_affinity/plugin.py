@@ -68,6 +68,7 @@ class AffinityEndpoint:
             api_tokens=[hashlib.sha256(t.encode()).digest() for t in tokens],
             settings=self.settings,
             metrics=AffinityMetrics(),
+            data_parallel_size=config.parallel_config.data_parallel_size,
         )
         self._metrics = service.metrics
         state.jiuwen_affinity = service

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from ._version import plugin_version
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
 from .contract import EngineRelease, ReleaseError, ReleaseRequest
-from .core import HintError, ReleaseHint
+from .core import HintError, ReleaseHint, engine_rank
 from .core.hint import HEADER as HINT_HEADER
 from .engine import HINT_KEY
 from .metrics import AffinityMetrics
@@ -38,6 +38,8 @@ from .settings import Settings
 logger = logging.getLogger("vllm_affinity")
 tracer = trace.get_tracer("vllm_affinity")
 router = APIRouter()
+#: The session header of the hook (and of vLLM's own session routing).
+SESSION_HEADER = "X-Session-ID"
 
 #: What ``GET /affinity/capabilities`` and every ``/release_kv_cache`` 200 answer advertise; the
 #: hook switches an engine to in-request releases when it sees ``in_request_release``.
@@ -46,7 +48,7 @@ CAPABILITIES: dict[str, Any] = {
     "release_kv_cache": True,
     "in_request_release": True,
     "release_header": HINT_HEADER,
-    "session_header": "X-Session-ID",
+    "session_header": SESSION_HEADER,
     "agent_hint": True,
 }
 
@@ -69,6 +71,8 @@ class ReleaseService:
     api_tokens: list[bytes]
     settings: Settings
     metrics: AffinityMetrics
+    #: Engine cores of a data-parallel server (1 without data parallelism).
+    data_parallel_size: int = 1
 
     # -- request handling ---------------------------------------------------------------------
     async def handle(self, raw: Request) -> JSONResponse:
@@ -354,6 +358,23 @@ def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
         request.cache_salt = None
 
 
+def pin_session_to_engine(request: Any, raw_request: Any) -> None:
+    """On a data-parallel server, note the engine that serves the request's session (its
+    ``session_id``, ``X-Session-ID`` or ``cache_salt``) for ``_get_data_parallel_rank``: the
+    session's cache and its releases stay on one engine (see ``core/placement.py``)."""
+    service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
+    engines = service.data_parallel_size if service is not None else 1
+    if engines < 2:
+        return
+    session = (
+        getattr(request, "session_id", None)
+        or raw_request.headers.get(SESSION_HEADER)
+        or getattr(request, "cache_salt", None)
+    )
+    if session:
+        raw_request.state.jiuwen_engine_rank = engine_rank(session, engines)
+
+
 def apply_release_hint(request: Any, raw_request: Any) -> ReleaseHint | None:
     """Carry a valid ``X-KV-Release`` hint to the engine core in ``vllm_xargs`` (which vLLM
     passes on as ``sampling_params.extra_args``). Raises ``HintError`` for a malformed value."""
@@ -378,6 +399,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
     if _wrapped_serving:
         return
     import wrapt
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
@@ -386,6 +408,8 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         request = args[0] if args else kwargs["request"]
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         apply_cache_sharing(request, settings.allow_cache_sharing)
+        if settings.dp_session_affinity:
+            pin_session_to_engine(request, raw_request)
         try:
             hint = apply_release_hint(request, raw_request)
         except HintError as exc:
@@ -395,6 +419,15 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             count_hint("accepted")
             _hint_span(raw_request, hint)
         return wrapped(*args, **kwargs)
+
+    def session_rank(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        """A rank the client or router chose (``X-data-parallel-rank``) wins; else the
+        session's engine, when ``before`` pinned one."""
+        rank = wrapped(*args, **kwargs)
+        raw_request = args[0] if args else kwargs.get("raw_request")
+        if rank is not None or raw_request is None:
+            return rank
+        return getattr(raw_request.state, "jiuwen_engine_rank", None)
 
     def before_chat(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         """openJiuwen's ``agent_hint`` first (see ``agent_hint.py``), then as ``before``."""
@@ -410,6 +443,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             return answer_management(_service(raw_request), request, agent_hint, raw_request)
         return before(wrapped, instance, args, kwargs)
 
+    wrapt.wrap_function_wrapper(GenerateBaseServing, "_get_data_parallel_rank", session_rank)
     wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before_chat)
     wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
     wrapt.wrap_function_wrapper(OpenAIServingResponses, "create_responses", before)
@@ -432,7 +466,7 @@ def _hint_span(raw_request: Any, hint: ReleaseHint) -> None:
     }
     if hint.tools_released_index is not None:
         attributes["jiuwen.release.tools_released_index"] = hint.tools_released_index
-    session = headers.get("X-Session-ID") if headers is not None else None
+    session = headers.get(SESSION_HEADER) if headers is not None else None
     if session:
         attributes["gen_ai.conversation.id"] = session
     span = tracer.start_span(

@@ -29,6 +29,11 @@ class Settings:
     max_sessions: int = 100_000
     #: Largest ``/release_kv_cache`` body accepted; larger ones get 413.
     max_body_bytes: int = 32 * 1024 * 1024
+    #: On a data-parallel server, send every request of a session to one engine core (by a
+    #: stable hash of the session), so its prefix cache and its releases stay together. Off:
+    #: vLLM's balancer picks the least-loaded engine per request. A client's or router's
+    #: ``X-data-parallel-rank`` header wins either way.
+    dp_session_affinity: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -45,18 +50,24 @@ class Settings:
             raise ValueError(
                 f"VLLM_AFFINITY_STATS_INTERVAL={interval!r}: expected seconds"
             ) from None
-        divergence = env.get("VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", "0").strip().lower()
-        if divergence not in _TRUE + _FALSE:
-            raise ValueError(
-                f"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE={divergence!r}: expected true or false"
-            )
         return cls(
             allow_cache_sharing=sharing == "allow",
             stats_interval=seconds,
-            release_on_divergence=divergence in _TRUE,
+            release_on_divergence=_flag(env, "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", False),
+            dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
             max_body_bytes=_positive_int(env, "VLLM_AFFINITY_MAX_BODY_BYTES", 32 * 1024 * 1024),
         )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={raw!r}: expected true or false")
+    return value in _TRUE
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -74,7 +74,7 @@ def test_losing_a_replica_moves_only_its_sessions_and_breaks_nothing() -> None:
             moved={s for s, u in previous.items() if fleet.replica(u) is victim},
         )  # fmt: skip
 
-    with fleet_bench.Fleet(2, num_blocks=48, max_model_len=1024, policy="session") as fleet:
+    with fleet_bench.Fleet(2, num_blocks=96, max_model_len=3008, policy="session") as fleet:
         run = fleet_bench.replay(fleet, calls, release=True, before_call=kill_before_a_release)
         (survivor,) = fleet.alive()
         routed = [r for r in fleet.router.routed() if r.uri.endswith("/chat/completions")]

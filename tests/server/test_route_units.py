@@ -3,12 +3,15 @@ in-request hint (on vLLM's own request class)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from vllm_affinity.contract import ReleaseRequest
-from vllm_affinity.core import HintError, ReleaseHint
+from vllm_affinity.core import HintError, ReleaseHint, engine_rank
 from vllm_affinity.engine import HINT_KEY
 from vllm_affinity.route import apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
@@ -70,6 +73,32 @@ def test_settings_release_on_divergence() -> None:
     assert Settings.from_env(env).release_on_divergence is True
     with pytest.raises(ValueError, match="VLLM_AFFINITY_RELEASE_ON_DIVERGENCE"):
         Settings.from_env({"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "maybe"})
+
+
+def test_settings_dp_session_affinity() -> None:
+    assert Settings.from_env({}).dp_session_affinity is True
+    env = {"VLLM_AFFINITY_DP_SESSION_AFFINITY": "off"}
+    assert Settings.from_env(env).dp_session_affinity is False
+    with pytest.raises(ValueError, match="VLLM_AFFINITY_DP_SESSION_AFFINITY"):
+        Settings.from_env({"VLLM_AFFINITY_DP_SESSION_AFFINITY": "sometimes"})
+
+
+def test_engine_rank_is_stable_in_range_and_spreads_sessions() -> None:
+    ranks = [engine_rank(f"session-{i}", 4) for i in range(400)]
+    assert all(0 <= r < 4 for r in ranks)
+    assert ranks == [engine_rank(f"session-{i}", 4) for i in range(400)]
+    assert min(ranks.count(r) for r in range(4)) > 60  # about 100 each
+    assert engine_rank("any", 1) == 0
+    with pytest.raises(ValueError, match="at least one engine"):
+        engine_rank("any", 0)
+
+
+def test_engine_rank_agrees_across_processes() -> None:
+    """Several API-server processes must send a session to the same engine (Python's own
+    ``hash`` of a string differs per process)."""
+    code = "from vllm_affinity.core import engine_rank; print(engine_rank('abc', 7))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert int(other.stdout) == engine_rank("abc", 7)
 
 
 class _Raw:

@@ -1,6 +1,7 @@
 """Pure core of the server plugin: no vLLM import, no I/O."""
 
 from .hint import HintError, ReleaseHint
+from .placement import engine_rank
 from .queue import ReleaseResult, Segment, SegmentedFreeBlockQueue
 from .sessions import ReleaseSelection, SessionBlocks
 from .tokens import common_prefix_length, first_divergent_block
@@ -14,5 +15,6 @@ __all__ = [
     "SegmentedFreeBlockQueue",
     "SessionBlocks",
     "common_prefix_length",
+    "engine_rank",
     "first_divergent_block",
 ]
