@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
 from _common import write_json
@@ -44,13 +44,17 @@ from cache_sim import Request, simulate, working_set
 
 import jiuwen_hooks
 from vllm_affinity.router import NginxRouter, Policy
-from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
+from vllm_affinity.testing import BLOCK_SIZE, VLLMServer, free_port
+from vllm_affinity.tiny_model import build as build_model
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
-    policy: Policy
+    #: How requests reach an engine: nginx's policy over replicas, or, for ``dp``, one server
+    #: with ``--data-parallel-size`` engine cores, sessions pinned (``dp_session_affinity``) or
+    #: left to vLLM's balancer.
+    policy: Policy | Literal["dp_pinned", "dp_balancer"]
     release: bool
 
 
@@ -59,16 +63,31 @@ SCENARIOS = (
     Scenario("session", "session", False),
     Scenario("round_robin", "round_robin", False),
     Scenario("round_robin+release", "round_robin", True),
+    Scenario("dp_pinned+release", "dp_pinned", True),
+    Scenario("dp_balancer+release", "dp_balancer", True),
 )
 
 
 class Fleet:
     """``replicas`` plugin servers, one worker core each, behind one nginx router."""
 
-    def __init__(self, replicas: int, num_blocks: int, max_model_len: int, policy: Policy):
+    def __init__(
+        self,
+        replicas: int,
+        num_blocks: int,
+        max_model_len: int,
+        policy: Policy,
+        model: Any = None,
+        ports: list[int] | None = None,
+    ):
+        """``ports``: the same ports for fleets started one after the other, so that nginx
+        (which hashes onto ``host:port``) places every session on the same replica in each."""
         cores = os.cpu_count() or 1
+        ports = ports or [free_port() for _ in range(replicas)]
         self.replicas = [
             VLLMServer(
+                port=ports[i],
+                model=model,
                 num_blocks=num_blocks,
                 max_model_len=max_model_len,
                 api_key=API_KEY,
@@ -101,6 +120,13 @@ class Fleet:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    @property
+    def base_url(self) -> str:
+        return self.router.base_url
+
+    def report(self, sessions: set[str]) -> dict[str, Any]:
+        return replica_report(self, sessions)
+
     def replica(self, upstream: str) -> VLLMServer:
         return next(r for r in self.replicas if upstream.endswith(f":{r.port}"))
 
@@ -115,7 +141,60 @@ class Fleet:
         return hits, queries
 
 
-def warm_up(fleet: Fleet, release: bool) -> None:
+class DataParallelServer:
+    """One plugin server with ``engines`` data-parallel engine cores (vLLM's own fan-out: one
+    API server, one engine-core process per rank), with the same interface as ``Fleet``."""
+
+    def __init__(
+        self, engines: int, num_blocks: int, max_model_len: int, pinned: bool, model: Any = None
+    ):
+        self.server = VLLMServer(
+            model=model,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            api_key=API_KEY,
+            extra_args=("--data-parallel-size", str(engines)),
+            env={"VLLM_AFFINITY_DP_SESSION_AFFINITY": "true" if pinned else "false"},
+        )
+        self.replicas = [self.server]
+        self.router = None
+
+    def __enter__(self) -> DataParallelServer:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    def alive(self) -> list[VLLMServer]:
+        return [self.server]
+
+    def prefix_counters(self) -> tuple[float, float]:
+        return (
+            self.server.metric("vllm:prefix_cache_hits_total"),
+            self.server.metric("vllm:prefix_cache_queries_total"),
+        )
+
+    def report(self, sessions: set[str]) -> dict[str, Any]:
+        """Per engine core: what the plugin counted (no router log here)."""
+        return {
+            f"engine {rank}": {
+                "sessions": stats["sessions"],
+                "releases_in_request": stats.get("releases_in_request", 0),
+                "releases_ok": stats.get("releases_ok", 0),
+                "releases_unknown_session": stats.get("releases_unknown_session", 0),
+                "block_released": stats.get("block_released_in_request", 0),
+                "released_reused": stats["released_reused"],
+            }
+            for rank, stats in enumerate(self.server.affinity_stats()["engines"])
+        }
+
+
+def warm_up(fleet: Fleet | DataParallelServer, release: bool) -> None:
     """First requests pay one-off costs on each replica; with the hook, a call in a session
     through the router lets it discover the engine (its capability probe) before the replay."""
     call = Call("warm-up", [{"role": "user", "content": "hello"}], [])
@@ -125,14 +204,14 @@ def warm_up(fleet: Fleet, release: bool) -> None:
                 stream_call(client, call, Side())
     if release:
         with (
-            openai.OpenAI(base_url=fleet.router.base_url, api_key=API_KEY) as client,
+            openai.OpenAI(base_url=fleet.base_url, api_key=API_KEY) as client,
             jiuwen_hooks.session("warm-up"),
         ):
             stream_call(client, call, Side())
 
 
 def replay(
-    fleet: Fleet,
+    fleet: Fleet | DataParallelServer,
     calls: list[Call],
     release: bool,
     progress: Callable[[int], None] = lambda i: None,
@@ -147,7 +226,7 @@ def replay(
         if hook is not None:
             hook.flush()
         side, before = Side(), fleet.prefix_counters()
-        with openai.OpenAI(base_url=fleet.router.base_url, api_key=API_KEY) as client:
+        with openai.OpenAI(base_url=fleet.base_url, api_key=API_KEY) as client:
             for index, call in enumerate(calls):
                 before_call(index, call)
                 with jiuwen_hooks.session(call.session) if release else contextlib.nullcontext():
@@ -164,7 +243,7 @@ def replay(
     out = side.summary(hits - before[0], queries - before[1])
     out["releases_in_request"] = hook_stats.get("releases.in_request", 0)
     out["releases_post"] = hook_stats.get("releases.ok", 0)
-    out["replicas"] = replica_report(fleet, {c.session for c in calls})
+    out["replicas"] = fleet.report({c.session for c in calls})
     return out
 
 
@@ -212,8 +291,16 @@ def simulated(fleet: Fleet, calls: list[Call], tokens: list[tuple[int, ...]], re
 
 def run_scenario(scenario: Scenario, calls: list[Call], tokens: list[tuple[int, ...]] | None,
                  args: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:  # fmt: skip
-    say(f"{scenario.name}: starting {args.replicas} replicas and nginx ({scenario.policy}) ...")
-    with Fleet(args.replicas, sizes["num_blocks"], sizes["max_model_len"], scenario.policy) as f:
+    say(f"{scenario.name}: starting {args.replicas} replicas ({scenario.policy}) ...")
+    blocks, length = sizes["num_blocks"], sizes["max_model_len"]
+    fleet: Fleet | DataParallelServer
+    if scenario.policy in ("dp_pinned", "dp_balancer"):
+        pinned = scenario.policy == "dp_pinned"
+        fleet = DataParallelServer(args.replicas, blocks, length, pinned, args.model_path)
+    else:
+        policy: Policy = scenario.policy  # type: ignore[assignment]
+        fleet = Fleet(args.replicas, blocks, length, policy, args.model_path, args.ports)
+    with fleet as f:
 
         def progress(i: int) -> None:
             if (i + 1) % 25 == 0 or i + 1 == len(calls):
@@ -222,7 +309,7 @@ def run_scenario(scenario: Scenario, calls: list[Call], tokens: list[tuple[int, 
         started = time.perf_counter()
         run = replay(f, calls, scenario.release, progress)
         run["wall_s"] = round(time.perf_counter() - started, 1)
-        if tokens is not None and scenario.name != "round_robin+release":
+        if tokens is not None and isinstance(f, Fleet) and scenario.name != "round_robin+release":
             sim = simulated(f, calls, tokens, scenario.release, sizes["num_blocks"] - 1)
             run["simulated_hit_rate"] = round(sim, 4)
     say(
@@ -234,8 +321,9 @@ def run_scenario(scenario: Scenario, calls: list[Call], tokens: list[tuple[int, 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['replicas']} replicas behind nginx, {result['num_blocks']} KV blocks each "
-        f"({result['pool']}x of the trace's working set over the fleet).",
+        f"Model: {result['model']}. {result['replicas']} replicas behind nginx (dp: one server "
+        f"with {result['replicas']} data-parallel engine cores), {result['num_blocks']} KV "
+        f"blocks each ({result['pool']}x of the trace's working set over all of them).",
         "",
         "| routing | hit rate (real) | hit rate (sim) | TTFT p50 | TTFT p90 | computed tokens "
         "| releases acted on / unknown session |",
@@ -276,7 +364,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axis.grid(alpha=0.3, axis="y")
     fig.suptitle(
         f"{result['trace']['calls']} calls, {result['trace']['sessions']} sessions, "
-        f"{result['replicas']} replicas behind nginx"
+        f"{result['replicas']} replicas / engines, model {result['model']}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -293,6 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--scenarios", default=",".join(s.name for s in SCENARIOS), help="comma-separated"
+    )
+    parser.add_argument(
+        "--model", choices=("tiny", "heavy"), default="tiny", help="model size (see tiny_model)"
     )
     parser.add_argument("--quick", action="store_true", help="small trace, two scenarios (CI)")
     parser.add_argument("--out", default="benchmarks/results")
@@ -334,19 +425,23 @@ def main(argv: list[str] | None = None) -> int:
     calls = generate(config)
     say(f"trace: {json.dumps(describe(calls))}")
     say("tokenising the trace with vLLM's renderer ...")
-    with VLLMServer(plugin=False, num_blocks=512, api_key=API_KEY) as server:
+    args.model_path = build_model(size=args.model)
+    args.ports = [free_port() for _ in range(args.replicas)]  # one placement for all scenarios
+    with VLLMServer(model=args.model_path, plugin=False, num_blocks=512, api_key=API_KEY) as server:
         tokens = tokenize(server, calls)
     sizes = pool_sizes(tokens, [c.session for c in calls], args)
     say(f"working set {sizes['working_set']} blocks; {sizes['num_blocks']} blocks per replica")
     result: dict[str, Any] = {
         "trace": {**describe(calls), "config": dataclasses.asdict(config)},
         "replicas": args.replicas,
+        "model": args.model,
         "pool": args.pool,
         **sizes,
         "scenarios": {s.name: run_scenario(s, calls, tokens, args, sizes) for s in args.chosen},
     }
     out = Path(args.out)
     stem = "fleet_benchmark_quick" if args.quick else "fleet_benchmark"
+    stem += "" if args.model == "tiny" else f"_{args.model}"
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / f"{stem}.json", result, echo=False, replica_cores="one each, 0..n-1")
     (out / f"{stem}.md").write_text(markdown(result))

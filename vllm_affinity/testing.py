@@ -128,6 +128,7 @@ class VLLMServer:
         log_dir: str | Path | None = None,
         cpu_cores: str | None = None,
         pin_process: bool = False,
+        port: int | None = None,
     ) -> None:
         self.model = str(model or build())
         self.plugin = plugin
@@ -145,7 +146,9 @@ class VLLMServer:
         #: two servers compared side by side never share a core.
         self.pinned = _core_set(cpu_cores) if pin_process and cpu_cores else None
         self.startup_timeout = startup_timeout
-        self.port = free_port()
+        #: A fixed port lets runs that start servers one after the other keep their identity
+        #: (a router hashing sessions onto ``host:port`` places them the same way).
+        self.port = port or free_port()
         self.log_path = Path(log_dir or tempfile.gettempdir()) / (
             f"vllm-{'affinity' if plugin else 'vanilla'}-{self.port}.log"
         )
