@@ -82,8 +82,8 @@ test: $(MODEL) $(LI) $(OJ) $(OJ16) nginx lint
 	$(PY) -m pytest
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
 
-## test-client: the client half only (no vLLM needed)
-test-client: $(DEV) lint
+## test-client: the client half only (no vLLM needed; nginx for the router tests)
+test-client: $(DEV) nginx lint
 	$(PY) -m pytest tests --ignore=tests/server
 
 lint: $(DEV)
