@@ -41,7 +41,7 @@ import httpx
 import openai
 from _common import write_json
 from agent_trace import Call, TraceConfig, describe, generate
-from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
+from cache_sim import Request, gap_closed, simulate, working_set
 
 import jiuwen_hooks
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
@@ -51,6 +51,8 @@ API_KEY = "bench"
 #: Worker cores of the vanilla and the plugin server: one each, so neither slows the other.
 SIDE_CORES = ("1", "0")
 MAX_TOKENS = 4
+#: The simulator's policies beside the real replay (lifecycle ones: ``lifecycle_sim.py``).
+POLICIES = ("infinite", "lru", "lru_release", "belady")
 
 
 def say(text: str) -> None:

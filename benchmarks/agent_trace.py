@@ -20,6 +20,7 @@ Compaction policies (``TraceConfig.policies``, one per session, round-robin):
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,31 @@ class Call:
     tools: list[dict[str, Any]]
     #: The policy that rewrote the window just before this call, if any.
     compaction: str | None = None
+    #: How the call ends: ``tool_calls`` (a tool runs, the session returns soon), ``stop`` (the
+    #: burst is over: the session waits for its user) or ``end`` (its last call: the agent ends
+    #: the session, as with ``jiuwen_hooks.end_session``).
+    finish: str = "tool_calls"
+    #: Seconds from the start of a timed trace (``generate_timed``); 0 in an ordered trace.
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds between a session's calls in a timed trace, drawn from log-normal distributions
+    (median, and sigma of the log): agents' tool calls take seconds, a user's reply takes tens
+    of seconds to minutes. The defaults are assumptions, not fitted to a published trace: a
+    tool median of 2 s is the order of a file read, a search or a short test run (Continuum,
+    2025, pins KV for such tool calls); a user median of 30 s with a heavy tail is the order of
+    reading an answer and typing the next request. Change them to fit your agents."""
+
+    #: A model call's own time (prefill plus a short answer).
+    model_seconds: float = 1.0
+    tool_median: float = 2.0
+    tool_sigma: float = 1.0
+    think_median: float = 30.0
+    think_sigma: float = 1.0
+    #: Sessions start uniformly within this many seconds.
+    start_spread: float = 60.0
 
 
 @dataclass
@@ -153,11 +179,9 @@ def _step(session: _Session, config: TraceConfig, first_of_burst: bool) -> Call:
     return call
 
 
-def generate(config: TraceConfig = TraceConfig()) -> list[Call]:
-    """The calls of all sessions in arrival order (deterministic for a given config)."""
-    rng = random.Random(config.seed)
+def _sessions(config: TraceConfig) -> list[_Session]:
     system = "You are a coding agent. " + filler_text(random.Random(-1), config.system_pairs)
-    sessions = [
+    return [
         _Session(
             name=f"s{i}",
             policy=config.policies[i % len(config.policies)],
@@ -167,6 +191,12 @@ def generate(config: TraceConfig = TraceConfig()) -> list[Call]:
         )
         for i in range(config.sessions)
     ]
+
+
+def generate(config: TraceConfig = TraceConfig()) -> list[Call]:
+    """The calls of all sessions in arrival order (deterministic for a given config)."""
+    rng = random.Random(config.seed)
+    sessions = _sessions(config)
     calls: list[Call] = []
     active: list[tuple[_Session, int]] = []  # (session, steps left in its burst)
     while True:
@@ -180,10 +210,40 @@ def generate(config: TraceConfig = TraceConfig()) -> list[Call]:
         index = rng.randrange(len(active))
         session, left = active[index]
         calls.append(_step(session, config, first_of_burst=left == config.steps_per_burst))
+        if left == 1:
+            calls[-1].finish = "stop" if session.bursts_left else "end"
         if left > 1:
             active[index] = (session, left - 1)
         else:
             active.pop(index)
+
+
+def generate_timed(config: TraceConfig = TraceConfig(), timing: Timing = Timing()) -> list[Call]:
+    """The same sessions (the same windows and compactions as ``generate``), each on a clock
+    of its own, merged in time order: a session's next call comes one model call plus one tool
+    call after the previous one inside a burst, one model call plus the user's think time after
+    a burst. ``concurrent_bursts`` plays no part: as many sessions are mid-burst as the clock
+    says."""
+    rng = random.Random(config.seed + 7919)
+    calls: list[Call] = []
+    for session in _sessions(config):
+        clock = rng.uniform(0, timing.start_spread)
+        while session.bursts_left:
+            session.bursts_left -= 1
+            for step in range(config.steps_per_burst):
+                call = _step(session, config, first_of_burst=step == 0)
+                call.at = round(clock, 3)
+                last = step == config.steps_per_burst - 1
+                call.finish = "tool_calls" if not last else "stop" if session.bursts_left else "end"
+                median, sigma = (
+                    (timing.think_median, timing.think_sigma)
+                    if last
+                    else (timing.tool_median, timing.tool_sigma)
+                )
+                clock += timing.model_seconds + rng.lognormvariate(math.log(median), sigma)
+                calls.append(call)
+    calls.sort(key=lambda c: c.at)
+    return calls
 
 
 def describe(calls: list[Call]) -> dict[str, Any]:
@@ -191,11 +251,15 @@ def describe(calls: list[Call]) -> dict[str, Any]:
     for call in calls:
         if call.compaction:
             compactions[call.compaction] = compactions.get(call.compaction, 0) + 1
-    return {
+    out: dict[str, Any] = {
         "calls": len(calls),
         "sessions": len({c.session for c in calls}),
         "compactions": compactions,
+        "finish": {f: sum(c.finish == f for c in calls) for f in ("tool_calls", "stop", "end")},
     }
+    if calls and calls[-1].at:
+        out["seconds"] = calls[-1].at
+    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@
 - ``lru_release``: ``lru`` plus the release: when a session's window is rewritten, its previous
   request's blocks from the first stale block on (unless another session still uses them) are
   evicted before any other cached block;
+- ``lifecycle``: ``lru_release`` plus the session's state: when a request ends its burst
+  (``finish == "stop"``: the session waits for its user), its blocks (those no active session
+  holds) go to an IDLE segment, evicted after the released blocks and before the live LRU
+  ones; a session inside a tool call (``tool_calls``) keeps its blocks in LRU; a session the
+  agent ended (``finish == "end"``, ``jiuwen_hooks.end_session``) is released whole;
 - ``belady``: evict the cached block whose next use is farthest in the future (deeper blocks
   first on ties, so the cache stays prefix-closed: a child is never used before its parent).
 
@@ -24,13 +29,20 @@ from dataclasses import dataclass
 
 from vllm_affinity.core import common_prefix_length
 
-POLICIES = ("infinite", "lru", "lru_release", "belady")
+POLICIES = ("infinite", "lru", "lru_release", "lifecycle", "belady")
+#: The policies that release a session's stale blocks when its window is rewritten.
+RELEASING = ("lru_release", "lifecycle")
 
 
 @dataclass(frozen=True)
 class Request:
     session: str
     tokens: tuple[int, ...]
+    #: ``tool_calls`` (the session returns after its tool), ``stop`` (it waits for a user) or
+    #: ``end`` (the agent ended the session: it never returns).
+    finish: str = "tool_calls"
+    #: Seconds from the start of the trace (timed traces).
+    at: float = 0.0
 
 
 def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
@@ -54,6 +66,8 @@ class _Cache:
         self.by_hash: dict[int, set[int]] = {}
         self.order: OrderedDict[int, None] = OrderedDict()
         self.released: OrderedDict[int, None] = OrderedDict()
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        self.idle_sessions: set[str] = set()
         self.owners: dict[int, set[str]] = {}
         self.latest: dict[str, list[int]] = {}
         self.ids = itertools.count()
@@ -78,6 +92,8 @@ class _Cache:
     def _evict_one(self) -> None:
         if self.released:
             victim, _ = self.released.popitem(last=False)
+        elif self.idle:
+            victim, _ = self.idle.popitem(last=False)
         elif not self.order:
             raise CapacityError("the pool cannot hold one request")
         elif self.policy == "belady":
@@ -101,12 +117,30 @@ class _Cache:
             if owners is None or session not in owners:
                 continue
             owners.discard(session)
-            if not owners and b in self.order:
-                del self.order[b]
+            if not owners and (b in self.order or b in self.idle):
+                self.order.pop(b, None)
+                self.idle.pop(b, None)
                 self.released[b] = None
+
+    def finished(self, session: str, finish: str) -> None:
+        """The lifecycle policy's signal: how the session's request ended."""
+        if self.policy != "lifecycle":
+            return
+        if finish == "end":
+            self.release(session, 0)
+        elif finish == "stop":
+            self.idle_session(session)
+
+    def idle_session(self, session: str) -> None:
+        self.idle_sessions.add(session)
+        for b in reversed(self.latest.get(session, [])):  # the tail goes first, as in LRU
+            if b in self.order and self.owners.get(b, set()) <= self.idle_sessions:
+                del self.order[b]
+                self.idle[b] = None
 
     def request(self, session: str, hashes: list[int], tokens: int, generated: int) -> int:
         """Serve one request; returns the number of prompt tokens hit."""
+        self.idle_sessions.discard(session)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)
@@ -116,6 +150,7 @@ class _Cache:
         for b in used:  # in use now: not evictable
             self.order.pop(b, None)
             self.released.pop(b, None)
+            self.idle.pop(b, None)
         need = -(-(tokens + generated) // self.block) - len(used)
         if need > self.capacity - len(used):
             raise CapacityError(
@@ -143,7 +178,11 @@ class _Cache:
 
 
 def simulate(
-    requests: Sequence[Request], capacity: int, policy: str, block: int = 32, generated: int = 4
+    requests: Sequence[Request],
+    capacity: int,
+    policy: str,
+    block: int = 32,
+    generated: int = 4,
 ) -> dict[str, float]:
     """Hit rate of ``requests`` under ``policy`` with a pool of ``capacity`` blocks."""
     if policy not in POLICIES:
@@ -154,11 +193,12 @@ def simulate(
     hit = queries = 0
     for request, request_hashes in zip(requests, hashes, strict=True):
         before = previous.get(request.session)
-        if policy == "lru_release" and before is not None:
+        if policy in RELEASING and before is not None:
             stale = common_prefix_length(before, request.tokens)
             if stale < len(before):  # rewritten, not appended: release the stale tail
                 cache.release(request.session, stale // block)
         hit += cache.request(request.session, request_hashes, len(request.tokens), generated)
+        cache.finished(request.session, request.finish)
         queries += len(request.tokens)
         previous[request.session] = request.tokens
     return {"hit_tokens": hit, "query_tokens": queries, "hit_rate": hit / queries if queries else 0}
@@ -174,7 +214,7 @@ def working_set(requests: Sequence[Request], block: int = 32) -> int:
     return peak
 
 
-def gap_closed(results: dict[str, dict[str, float]]) -> float | None:
-    """Share of the LRU → Belady hit-rate gap that the release closes."""
-    lru, rel, opt = (results[p]["hit_rate"] for p in ("lru", "lru_release", "belady"))
+def gap_closed(results: dict[str, dict[str, float]], policy: str = "lru_release") -> float | None:
+    """Share of the LRU → Belady hit-rate gap that ``policy`` closes."""
+    lru, rel, opt = (results[p]["hit_rate"] for p in ("lru", policy, "belady"))
     return (rel - lru) / (opt - lru) if opt > lru else None

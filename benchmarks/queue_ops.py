@@ -6,8 +6,10 @@ remove of a queued cached block, as only blocks with a hash can be hit), generat
 a vLLM queue, then replayed on a fresh queue of each kind in lockstep: every operation runs on one
 queue and at once on the other, the side going first alternating per operation. Only the queue
 calls are timed (their arguments are prepared before), per kind of operation. Without releases
-both queues pop the same blocks (checked once before timing). The cost of ``release()`` (a move
-from NORMAL to RELEASED), an operation vLLM's queue does not have, is timed separately.
+both queues pop the same blocks (checked once before timing). As in ``BlockPool``, a block has a
+hash when it is appended and none when it is prepended (set outside the timed region, on both
+sides). The cost of ``release()`` (a move from NORMAL to RELEASED), an operation vLLM's queue
+does not have, is timed separately.
 
     python benchmarks/queue_ops.py [--blocks 8192] [--ops 200000] [--rounds 7]
 """
@@ -23,7 +25,7 @@ import time
 from typing import Any
 
 from _common import write_json
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, FreeKVCacheBlockQueue, KVCacheBlock
 
 from vllm_affinity.core import SegmentedFreeBlockQueue
 
@@ -61,6 +63,7 @@ def make_ops(blocks: int, count: int, seed: int = 0) -> list[Op]:
 
 
 KINDS = ("popleft_n", "append_n", "prepend_n", "remove")
+FREES = (KINDS.index("append_n"), KINDS.index("prepend_n"))
 
 
 def prepared(blocks: list[Any], ops: list[Op]) -> list[tuple[int, Any]]:
@@ -78,6 +81,16 @@ def prepared(blocks: list[Any], ops: list[Op]) -> list[tuple[int, Any]]:
     return out
 
 
+def as_pool_frees(kind: int, blocks: list[Any]) -> None:
+    """What ``BlockPool`` guarantees before it frees blocks: the ones it appends carry their
+    hash, the ones it prepends have none (never filled, or evicted)."""
+    appended = kind == KINDS.index("append_n")
+    for block in blocks:
+        block.reset_hash()
+        if appended:
+            block.set_block_hash(BlockHashWithGroupId(block.block_id.to_bytes(4, "big")))
+
+
 def replay_lockstep(
     queues: tuple[Any, Any], steps: tuple[list[tuple[int, Any]], list[tuple[int, Any]]]
 ) -> tuple[list[float], list[float]]:
@@ -93,6 +106,8 @@ def replay_lockstep(
             for side in (0, 1) if i % 2 else (1, 0):
                 kind, arg = step_a if side == 0 else step_b
                 method = methods[side][kind]
+                if kind in FREES:
+                    as_pool_frees(kind, arg)
                 start = clock()
                 method(arg)
                 spent[side][kind] += clock() - start
@@ -112,15 +127,19 @@ def same_pops(ops: list[Op], n: int) -> bool:
             vq.remove(vb[arg])
             sq.remove(sb[arg])
         else:
-            getattr(vq, op)([vb[i] for i in arg])
-            getattr(sq, op)([sb[i] for i in arg])
+            for queue, pool in ((vq, vb), (sq, sb)):
+                blocks = [pool[i] for i in arg]
+                as_pool_frees(KINDS.index(op), blocks)
+                getattr(queue, op)(blocks)
     return True
 
 
 def release_cost(n: int) -> float:
     """Seconds per release() of a queued cached block (NORMAL → RELEASED)."""
     queue, blocks = fresh("segmented", n)
-    queue.append_n(queue.popleft_n(n))
+    popped = queue.popleft_n(n)
+    as_pool_frees(KINDS.index("append_n"), popped)
+    queue.append_n(popped)
     start = time.perf_counter()
     for block in blocks:
         queue.release(block)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
+from typing import Any
+
 import pytest
-from agent_trace import PLACEHOLDER, TraceConfig, describe, generate
+from agent_trace import PLACEHOLDER, TraceConfig, describe, generate, generate_timed
 from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,3 +95,48 @@ def test_trace_is_deterministic_and_compacts() -> None:
     for call in first:  # every tool result answers a tool call in the same window
         ids = {tc["id"] for m in call.window for tc in m.get("tool_calls", [])}
         assert all(m["tool_call_id"] in ids for m in call.window if m["role"] == "tool")
+
+
+def _return_hits(policy: str, a_finish: str) -> int:
+    """B goes into a tool call; A, used after B, ends its call with ``a_finish``; C needs more
+    than the free blocks; then B comes back. Returns the tokens B's return hits."""
+    trace = [
+        Request("B", seq(1000, 3), finish="tool_calls"),
+        Request("A", seq(0, 3), finish=a_finish),
+        Request("C", seq(2000, 11)),  # 12 blocks: 2 cached blocks must go
+    ]
+    back = Request("B", seq(1000, 3))
+    before = simulate(trace, 16, policy, block=B, generated=1)["hit_tokens"]
+    return simulate([*trace, back], 16, policy, block=B, generated=1)["hit_tokens"] - before
+
+
+def test_lifecycle_evicts_the_idle_session_before_the_one_in_a_tool_call() -> None:
+    # LRU evicts B's tail (B was used before A): B's return hits its first block only
+    assert _return_hits("lru", "stop") == B
+    # A waits for its user: its blocks go first, B's whole prefix survives
+    assert _return_hits("lifecycle", "stop") == 3 * B
+    # A is inside a tool call too: nothing to prefer, LRU order decides
+    assert _return_hits("lifecycle", "tool_calls") == B
+    # an ended session is released whole: the same effect
+    assert _return_hits("lifecycle", "end") == 3 * B
+
+
+def test_timed_trace_has_the_same_sessions_on_a_clock() -> None:
+    config = TraceConfig(sessions=5, bursts_per_session=2, steps_per_burst=3)
+    ordered, timed = generate(config), generate_timed(config)
+    by_session = {}
+    for call in ordered:
+        by_session.setdefault(call.session, []).append(call.window)
+    for session, windows in by_session.items():
+        assert [c.window for c in timed if c.session == session] == windows
+    assert [c.at for c in timed] == sorted(c.at for c in timed)
+    for trace in (ordered, timed):
+        assert describe(trace)["finish"] == {"tool_calls": 20, "stop": 5, "end": 5}
+    # a session's calls after a stop are farther apart than after a tool call (medians)
+    steps: dict[str, list[float]] = {"tool_calls": [], "stop": []}
+    last: dict[str, Any] = {}
+    for call in timed:
+        if call.session in last and last[call.session].finish in steps:
+            steps[last[call.session].finish].append(call.at - last[call.session].at)
+        last[call.session] = call
+    assert statistics.median(steps["stop"]) > 3 * statistics.median(steps["tool_calls"])

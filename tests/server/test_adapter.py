@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, FreeKVCacheBlockQueue, KVCacheBlock
 from vllm_parts import (
     BLOCK,
     generate,
@@ -208,6 +208,11 @@ def test_same_order_as_vllm_queue_without_releases(sequence: list[tuple[str, int
         elif op in ("append", "prepend") and out:
             chosen = out[: k + 1]
             del out[: k + 1]
+            # BlockPool's rule: blocks with a hash are appended, blocks without one prepended
+            for i in chosen:
+                ours_blocks[i].reset_hash()
+                if op == "append":
+                    ours_blocks[i].set_block_hash(BlockHashWithGroupId(i.to_bytes(4, "big")))
             if op == "append":
                 vanilla.append_n([vanilla_blocks[i] for i in chosen])
                 ours.append_n([ours_blocks[i] for i in chosen])

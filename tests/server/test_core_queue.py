@@ -18,6 +18,21 @@ class FakeBlock:
     block_id: int
     prev_free_block: Any = None
     next_free_block: Any = None
+    block_hash: Any = None
+
+
+def cached(blocks: list[Any]) -> list[Any]:
+    """Give blocks a hash, as vLLM has before it frees them with ``append_n`` (its rule: blocks
+    with a hash are appended, blocks without one prepended)."""
+    for block in blocks:
+        block.block_hash = ("hash", block.block_id)
+    return blocks
+
+
+def uncached(blocks: list[Any]) -> list[Any]:
+    for block in blocks:
+        block.block_hash = None
+    return blocks
 
 
 def ids(blocks: list[Any]) -> list[int]:
@@ -29,7 +44,7 @@ def test_aged_blocks_come_out_first_each_segment_in_lru_order() -> None:
     blocks = [FakeBlock(i) for i in range(6)]
     q = SegmentedFreeBlockQueue(blocks)
     popped = q.popleft_n(6)
-    q.append_n(popped)  # all six cached, LRU order 0..5
+    q.append_n(cached(popped))  # all six cached, LRU order 0..5
     assert q.release(blocks[4]) is ReleaseResult.MOVED
     assert q.release(blocks[1]) is ReleaseResult.MOVED
     assert q.release(blocks[1]) is ReleaseResult.NOOP
@@ -41,12 +56,11 @@ def test_aged_blocks_come_out_first_each_segment_in_lru_order() -> None:
 def test_uncached_blocks_are_reused_before_released_ones() -> None:
     blocks = [FakeBlock(i) for i in range(4)]
     q = SegmentedFreeBlockQueue(blocks)
-    cached = q.popleft_n(2)
-    q.append_n(cached)
+    q.append_n(cached(q.popleft_n(2)))
     q.release(blocks[0])
     assert ids(q.get_all_free_blocks()) == [2, 3, 0, 1]
     fresh = q.popleft()
-    q.prepend_n([fresh])
+    q.prepend_n(uncached([fresh]))
     assert q.popleft() is fresh
 
 
@@ -56,7 +70,7 @@ def test_in_use_block_is_pending_until_freed() -> None:
     in_use = q.popleft_n(3)
     assert q.release(in_use[1]) is ReleaseResult.PENDING
     assert q.num_pending == 1
-    q.append_n(in_use)
+    q.append_n(cached(in_use))
     assert q.segment_of(in_use[1]) is Segment.RELEASED
     assert q.num_pending == 0
     assert ids(q.get_all_free_blocks()) == [1, 0, 2]
@@ -68,14 +82,14 @@ def test_cancelled_pending_goes_back_to_normal() -> None:
     q.popleft()
     q.release(block)
     assert q.cancel_pending(0)
-    q.append(block)
+    q.append(cached([block])[0])
     assert q.segment_of(block) is Segment.NORMAL
 
 
 def test_prefix_hit_on_released_block_makes_it_live_again() -> None:
     blocks = [FakeBlock(i) for i in range(2)]
     q = SegmentedFreeBlockQueue(blocks)
-    q.append_n(q.popleft_n(2))
+    q.append_n(cached(q.popleft_n(2)))
     q.release(blocks[0])
     q.remove(blocks[0])  # touched by a prefix hit
     q.append(blocks[0])  # freed again later
@@ -85,7 +99,7 @@ def test_prefix_hit_on_released_block_makes_it_live_again() -> None:
 def test_iter_blocks_after_crosses_segments() -> None:
     blocks = [FakeBlock(i) for i in range(5)]
     q = SegmentedFreeBlockQueue(blocks)
-    q.append_n(q.popleft_n(3))  # 3,4 FREE; 0,1,2 NORMAL
+    q.append_n(cached(q.popleft_n(3)))  # 3,4 FREE; 0,1,2 NORMAL
     q.release(blocks[2])  # 2 RELEASED
     assert ids(q.iter_blocks_after(None)) == [3, 4, 2, 0, 1]
     assert ids(q.iter_blocks_after(blocks[4])) == [2, 0, 1]
@@ -154,7 +168,7 @@ class QueueMachine(RuleBasedStateMachine):
             seg = 1 if block_id in self.pending else 2
             self.pending.discard(block_id)
             self.ref[seg].append(block_id)
-        self.q.append_n([self.blocks[i] for i in chosen])
+        self.q.append_n(cached([self.blocks[i] for i in chosen]))
 
     @precondition(lambda self: self.out_of_queue())
     @rule(data=st.data())
@@ -162,7 +176,7 @@ class QueueMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(self.out_of_queue()), unique=True, min_size=1))
         self.ref[0][:0] = chosen
         self.pending.difference_update(chosen)
-        self.q.prepend_n([self.blocks[i] for i in chosen])
+        self.q.prepend_n(uncached([self.blocks[i] for i in chosen]))
 
     @rule(block_id=st.integers(min_value=0, max_value=N - 1))
     def release(self, block_id: int) -> None:
@@ -225,9 +239,11 @@ def test_capacity_covers_ids_not_given_at_construction() -> None:
     q = SegmentedFreeBlockQueue([FakeBlock(3)], capacity=8)
     late = [FakeBlock(0), FakeBlock(7)]
     q.prepend_n(late[:1])
-    q.append_n(late[1:])
+    q.append_n(cached(late[1:]))
     q.release(late[1])
     assert ids(q.get_all_free_blocks()) == [0, 3, 7]
     assert [q.segment_of(b) for b in late] == [Segment.FREE, Segment.RELEASED]
+    beyond = cached([FakeBlock(8)])
+    q.append_n(beyond)
     with pytest.raises(IndexError):
-        q.prepend_n([FakeBlock(8)])
+        q.release(beyond[0])

@@ -19,6 +19,11 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
 Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
 the segment sizes; RELEASED and NORMAL keep insertion order (least recently freed first). A
 released block keeps its hash: it can still be hit until it is actually reused.
+
+Precondition, ``BlockPool``'s own rule: ``prepend_n`` gets blocks without a hash and only those
+are removed from FREE, since a block without a hash is never hit (``remove`` is the prefix
+hit). The queue reads ``block_hash`` where it must tell a FREE block from a NORMAL one outside
+the hot loops (``remove``, ``release``), so ``prepend_n`` and popping FREE write no mark.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class Block(Protocol):
     block_id: int
     prev_free_block: Any
     next_free_block: Any
+
+    @property
+    def block_hash(self) -> Any: ...
 
 
 class Segment(IntEnum):
@@ -69,13 +77,12 @@ _POP_ORDER = (_FREE, _RELEASED, _NORMAL)
 class SegmentedFreeBlockQueue:
     """Free-block queue with FREE > RELEASED > NORMAL eviction priority; O(1) per block.
 
-    How a block's segment is known without paying for it on vLLM's hottest call: a block is in
-    the queue exactly when its ``prev_free_block`` is set (vLLM's own convention), and a list
-    indexed by block id holds a mark that is FREE or RELEASED only while the block sits in that
-    segment, and 0 (NORMAL) otherwise. Marks are written where blocks enter or leave FREE and
-    RELEASED; ``append_n`` into NORMAL, the call ``BlockPool`` makes for every cached block it
-    frees, writes none, so it does the same work per block as vLLM's queue. The NORMAL size is
-    the remainder of the total.
+    How a block's segment is known without paying for it on vLLM's hot calls: a block is in
+    the queue exactly when its ``prev_free_block`` is set (vLLM's own convention); a list
+    indexed by block id marks the RELEASED blocks (the rare segment) while they are in it; a
+    queued block that is not marked is FREE when it has no hash, else NORMAL. So ``append_n``
+    and ``prepend_n`` (every block ``BlockPool`` frees) and popping FREE or NORMAL do the same
+    work per block as vLLM's queue. The NORMAL size is the remainder of the total.
     """
 
     def __init__(self, blocks: Iterable[Block] = (), capacity: int | None = None) -> None:
@@ -115,12 +122,10 @@ class SegmentedFreeBlockQueue:
         num_free = self._num_free
         if num_free:  # FREE first; inlined, as most pops start with a request's uncached tail
             take = num_free if num_free < n else n
-            mark = self._mark
             head = self._free_head
             node = head.next_free_block
             for _ in range(take):
                 out.append(node)
-                mark[node.block_id] = _NORMAL
                 nxt = node.next_free_block
                 node.prev_free_block = node.next_free_block = None
                 node = nxt
@@ -153,8 +158,11 @@ class SegmentedFreeBlockQueue:
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
-        if self._mark[block.block_id]:  # FREE or RELEASED (a NORMAL block has no mark)
-            self._unmark(block.block_id)
+        if self._num_released and self._mark[block.block_id]:  # RELEASED
+            self._mark[block.block_id] = _NORMAL
+            self._num_released -= 1
+        elif block.block_hash is None:  # FREE (vLLM never does this: no hash, no hit)
+            self._num_free -= 1
 
     def append(self, block: Block) -> None:
         self.append_n([block])
@@ -189,11 +197,9 @@ class SegmentedFreeBlockQueue:
             return
         if self._pending:
             self._pending.difference_update(b.block_id for b in blocks)
-        mark = self._mark
         prev = self._free_head
         after = prev.next_free_block
-        for block in blocks:
-            mark[block.block_id] = _FREE
+        for block in blocks:  # vLLM's own prepend_n loop: FREE needs no mark
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
@@ -209,20 +215,20 @@ class SegmentedFreeBlockQueue:
         """Free blocks in eviction order after ``cursor`` (from the start when ``None``; nothing
         when the cursor is no longer in the queue, as in vLLM)."""
         if cursor is None:
-            order, node = _POP_ORDER, self._heads[_FREE].next_free_block
+            node = self._heads[_FREE].next_free_block
+        elif cursor.prev_free_block is None:
+            return
         else:
-            segment = self._segment_index(cursor)
-            if segment == _OUT:
-                return
-            order = _POP_ORDER[_POP_ORDER.index(segment) :]
             node = cursor.next_free_block
-        for i, segment in enumerate(order):
-            if i:
-                node = self._heads[segment].next_free_block
-            tail = self._tails[segment]
-            while node is not tail:
+        tails = self._tails
+        while True:  # to the end of the cursor's segment, then the segments after it
+            while not isinstance(node, _Sentinel):
                 yield node
                 node = node.next_free_block
+            later = _POP_ORDER.index(tails.index(node)) + 1
+            if later == len(_POP_ORDER):
+                return
+            node = self._heads[_POP_ORDER[later]].next_free_block
 
     # -- release ------------------------------------------------------------------------------
     def release(self, block: Block) -> ReleaseResult:
@@ -270,15 +276,9 @@ class SegmentedFreeBlockQueue:
     def _segment_index(self, block: Block) -> int:
         if block.prev_free_block is None:
             return _OUT
-        return self._mark[block.block_id]
-
-    def _unmark(self, block_id: int) -> None:
-        """A FREE or RELEASED block left the queue: count it out, clear its mark."""
-        if self._mark[block_id] == _FREE:
-            self._num_free -= 1
-        else:
-            self._num_released -= 1
-        self._mark[block_id] = _NORMAL
+        if self._mark[block.block_id]:
+            return _RELEASED
+        return _FREE if block.block_hash is None else _NORMAL
 
     def _pop_released(self, n: int, out: list[Block]) -> int:
         """Pop up to ``n`` RELEASED blocks into ``out`` (as ``popleft_n`` pops FREE); return how
@@ -300,14 +300,15 @@ class SegmentedFreeBlockQueue:
         return n - take
 
     def _link_run(self, blocks: list[Block], segment: int) -> None:
-        """Link ``blocks`` (in order) at the tail of ``segment`` and mark them."""
+        """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED."""
         if not blocks:
             return
         mark = self._mark
         after = self._tails[segment]
         prev = after.prev_free_block
         for block in blocks:
-            mark[block.block_id] = segment
+            if segment == _RELEASED:
+                mark[block.block_id] = _RELEASED
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
