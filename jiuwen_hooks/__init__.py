@@ -14,7 +14,7 @@ against the session's previous one. When history was rewritten, the release ride
 from ._compressor import compressor
 from ._context import current_session, session
 from ._hook import Hook
-from ._install import install, installed, stats, uninstall
+from ._install import end_session, install, installed, stats, uninstall
 from ._options import Options
 from ._version import __version__
 
@@ -24,6 +24,7 @@ __all__ = [
     "__version__",
     "compressor",
     "current_session",
+    "end_session",
     "install",
     "installed",
     "session",

@@ -242,6 +242,19 @@ class Hook:
         finally:
             job.done.set()
 
+    # -- session ends -------------------------------------------------------------------------
+    @_never_raises("session end not released")
+    def end_session(self, session_id: str) -> None:
+        """The agent says the session is over: its whole cache is released (POSTed on the
+        background thread: no model call follows to carry it) and the session forgotten."""
+        plan = self.table.end(session_id)
+        if plan is None:
+            self.telemetry.count("end_session.unknown")
+            return
+        self.telemetry.count("end_session.released")
+        self._log_triggered(plan)
+        self._submit(self._guarded, plan)
+
     # -- dispatch -----------------------------------------------------------------------------
     def dispatch(self, plan: ReleasePlan) -> Outcome | None:
         """POST from synchronous code: inline (default) or on the background thread."""

@@ -50,3 +50,13 @@ def stats() -> dict[str, Any]:
     """A snapshot of the installed hook's counters (empty when not installed)."""
     hook = _state.installed()
     return hook.stats() if hook is not None else {}
+
+
+def end_session(session_id: str) -> None:
+    """The agent ended ``session_id`` for good: release its whole KV cache (the blocks other
+    sessions share are kept) and forget it. Call it only when the session will not come back:
+    many agents enter ``session()`` once per turn, so leaving that context is not an end.
+    Does nothing when the hook is not installed or the session is unknown; never raises."""
+    hook = _state.installed()
+    if hook is not None:
+        hook.end_session(session_id)

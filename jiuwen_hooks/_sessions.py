@@ -166,6 +166,18 @@ class SessionTable:
             state.job = CompressorJob(reason)
             return Decision(plan=decision.plan, job=state.job)
 
+    def end(self, session_id: str) -> ReleasePlan | None:
+        """The agent ended the session: forget it, and release its whole cache (from message 0;
+        the engine keeps the blocks another session still holds). ``None`` when the session is
+        unknown (never seen, expired or evicted: nothing to release)."""
+        with self._lock:
+            state = self._states.pop(session_id, None)
+            if state is None:
+                return None
+            self._remember_source(session_id, state.source, None)
+        tools = 0 if state.window.tools else None
+        return ReleasePlan(session_id, state.window, Release(0, tools, "end_session"), state.target)
+
     def claim(self, job: CompressorJob) -> bool:
         """The background sender is about to send ``job``: False if a model call took it over."""
         with self._lock:

@@ -227,3 +227,34 @@ def test_session_resolver(
     finally:
         jiuwen_hooks.uninstall()
     assert released(jiuwen_engine) == [("u-7", 1, None)]
+
+
+def test_end_session_releases_the_whole_window_once(
+    call: Caller, jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+) -> None:
+    window = system_and_user(3)
+    call(window)
+    call([*window, {"role": "user", "content": "more"}])
+    jiuwen_hooks.end_session("s")
+    jiuwen_hook.flush()
+    (release,) = jiuwen_engine.releases
+    assert release.body["messages"] == [*window, {"role": "user", "content": "more"}]
+    assert release.body["messages_released_index"] == 0
+    assert release.headers["x-session-id"] == "s"
+    # ended: a second end, or an unknown session, sends nothing
+    jiuwen_hooks.end_session("s")
+    jiuwen_hooks.end_session("never-seen")
+    jiuwen_hook.flush()
+    assert len(jiuwen_engine.releases) == 1
+    stats = jiuwen_hook.stats()
+    assert stats["end_session.released"] == 1
+    assert stats["end_session.unknown"] == 2
+    # the session starts afresh: a shorter window is a new start, not a rewrite to release
+    call(system_and_user(1))
+    jiuwen_hook.flush()
+    assert len(jiuwen_engine.releases) == 1
+
+
+def test_end_session_without_the_hook_does_nothing() -> None:
+    jiuwen_hooks.uninstall()
+    jiuwen_hooks.end_session("s")  # no error, no hook

@@ -253,3 +253,33 @@ def test_installed_hook_posts_when_in_request_is_off(vllm_affinity_server: VLLMS
     assert span.attributes["jiuwen.release.messages_released_index"] == 3
     assert span.attributes["jiuwen.release.block_released"] > 0
     assert stats["block_released"] == span.attributes["jiuwen.release.block_released"]
+
+
+def test_end_session_releases_the_session_whole(vllm_affinity_server: VLLMServer) -> None:
+    """``jiuwen_hooks.end_session``: every block of the session that no other session holds goes
+    to the released segment; the shared system prompt stays."""
+    server = vllm_affinity_server
+    jiuwen_hooks.uninstall()
+    hook = jiuwen_hooks.install()
+    shared = {"role": "system", "content": text(120, seed=90)}
+    try:
+        with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0) as c:
+            for session, seed in (("ending", 91), ("staying", 92)):
+                with jiuwen_hooks.session(session):
+                    c.chat.completions.create(
+                        model=SERVED_NAME, max_tokens=4,
+                        messages=[shared, {"role": "user", "content": text(300, seed)}],
+                    )  # fmt: skip
+        before = engine(server)
+        jiuwen_hooks.end_session("ending")
+        hook.flush()
+        stats = hook.stats()
+    finally:
+        jiuwen_hooks.uninstall()
+    after = engine(server)
+    assert stats["end_session.released"] == 1 and stats["releases.ok"] == 1
+    released = after["segments"]["released"] - before["segments"]["released"]
+    shared_blocks = len(server.tokenize([shared])) // BLOCK_SIZE
+    own_blocks = len(server.tokenize([shared, {"role": "user", "content": text(300, 91)}]))
+    assert 0 < released <= own_blocks // BLOCK_SIZE - shared_blocks + 1
+    assert after["releases_ok"] == before.get("releases_ok", 0) + 1
