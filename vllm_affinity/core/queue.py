@@ -97,7 +97,7 @@ class SegmentedFreeBlockQueue:
         for head, tail in zip(self._heads, self._tails, strict=True):
             head.next_free_block, tail.prev_free_block = tail, head
         # The hot paths' sentinels, by name (a list index costs more than it looks there).
-        self._free_head = self._heads[_FREE]
+        self._free_head, self._free_tail = self._heads[_FREE], self._tails[_FREE]
         self._normal_head, self._normal_tail = self._heads[_NORMAL], self._tails[_NORMAL]
         self._mark = [_NORMAL] * capacity
         self._num_free = 0  # size of FREE
@@ -120,31 +120,56 @@ class SegmentedFreeBlockQueue:
         self.num_free_blocks -= n
         out: list[Block] = []
         num_free = self._num_free
-        if num_free:  # FREE first; inlined, as most pops start with a request's uncached tail
-            take = num_free if num_free < n else n
+        if num_free >= n:  # FREE alone (a decode step's one block, mostly)
             head = self._free_head
-            node = head.next_free_block
-            for _ in range(take):
-                out.append(node)
-                nxt = node.next_free_block
-                node.prev_free_block = node.next_free_block = None
-                node = nxt
-            head.next_free_block = node
-            node.prev_free_block = head
-            self._num_free = num_free - take
-            n -= take
-            if not n:
-                return out
-        if self._num_released:
-            n = self._pop_released(n, out)
-        if n:  # the rest from NORMAL: vLLM's own loop, no marks to clear
-            head = self._normal_head
             node = head.next_free_block
             for _ in range(n):
                 out.append(node)
                 nxt = node.next_free_block
                 node.prev_free_block = node.next_free_block = None
                 node = nxt
+            head.next_free_block = node
+            node.prev_free_block = head
+            self._num_free = num_free - n
+            return out
+        if self._num_released:
+            return self._pop_through_released(n, out)
+        # What FREE holds, then NORMAL, in vLLM's one loop: FREE's last block is linked to
+        # NORMAL's first and FREE is emptied first.
+        normal = self._normal_head
+        node = normal.next_free_block
+        if num_free:
+            head, tail = self._free_head, self._free_tail
+            tail.prev_free_block.next_free_block = node
+            node = head.next_free_block
+            head.next_free_block, tail.prev_free_block = tail, head
+            self._num_free = 0
+        for _ in range(n):
+            out.append(node)
+            nxt = node.next_free_block
+            node.prev_free_block = node.next_free_block = None
+            node = nxt
+        normal.next_free_block = node
+        node.prev_free_block = normal
+        return out
+
+    def _pop_through_released(self, n: int, out: list[Block]) -> list[Block]:
+        """``popleft_n`` when RELEASED holds blocks: segment by segment (their marks cleared)."""
+        for segment in _POP_ORDER:
+            head, tail = self._heads[segment], self._tails[segment]
+            node = head.next_free_block
+            while n and node is not tail:
+                out.append(node)
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                if segment == _FREE:
+                    self._num_free -= 1
+                elif segment == _RELEASED:
+                    self._mark[node.block_id] = _NORMAL
+                    self._num_released -= 1
+                    self.released_reused += 1
+                node = nxt
+                n -= 1
             head.next_free_block = node
             node.prev_free_block = head
         return out
@@ -279,25 +304,6 @@ class SegmentedFreeBlockQueue:
         if self._mark[block.block_id]:
             return _RELEASED
         return _FREE if block.block_hash is None else _NORMAL
-
-    def _pop_released(self, n: int, out: list[Block]) -> int:
-        """Pop up to ``n`` RELEASED blocks into ``out`` (as ``popleft_n`` pops FREE); return how
-        many are still to pop."""
-        take = self._num_released if self._num_released < n else n
-        mark = self._mark
-        head = self._heads[_RELEASED]
-        node = head.next_free_block
-        for _ in range(take):
-            out.append(node)
-            mark[node.block_id] = _NORMAL
-            nxt = node.next_free_block
-            node.prev_free_block = node.next_free_block = None
-            node = nxt
-        head.next_free_block = node
-        node.prev_free_block = head
-        self._num_released -= take
-        self.released_reused += take
-        return n - take
 
     def _link_run(self, blocks: list[Block], segment: int) -> None:
         """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED."""
