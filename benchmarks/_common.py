@@ -76,3 +76,22 @@ def write_json(
         print(text, end="")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
+
+
+def write_outputs(
+    out: str | Path,
+    stem: str,
+    result: dict[str, Any],
+    markdown: str,
+    plot: Any,
+    **metadata: Any,
+) -> None:
+    """A benchmark's three files: ``<stem>.json`` (with ``run_metadata``), ``.md`` and ``.png``
+    (``plot(result, path)``); the table is printed too."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"{stem}.json", result, echo=False, **metadata)
+    (out / f"{stem}.md").write_text(markdown)
+    plot(result, out / f"{stem}.png")
+    print(markdown)
+    print(f"wrote {out / stem}.json, .md and .png", file=sys.stderr, flush=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 import openai
-from _common import write_json
+from _common import write_outputs
 from agent_trace import Call, TraceConfig, describe, generate
 from cache_sim import Request, gap_closed, simulate, working_set
 
@@ -442,14 +442,21 @@ def output_stem(args: argparse.Namespace) -> str:
     return stem
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def trace_of(args: argparse.Namespace) -> tuple[TraceConfig, list[Call]]:
+    """The trace the command line asks for (``--sessions``, ``--bursts``, ``--steps``,
+    ``--seed``), announced on stderr."""
     config = TraceConfig(
         sessions=args.sessions, bursts_per_session=args.bursts, steps_per_burst=args.steps,
         seed=args.seed,
     )  # fmt: skip
     calls = generate(config)
     say(f"trace: {json.dumps(describe(calls))}")
+    return config, calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config, calls = trace_of(args)
     say(f"building the {args.model} model ...")
     model = build_model(size=args.model)
     trace = tokenised(calls, model)
@@ -465,13 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "runs": [run_pool(float(f), calls, trace, model, args) for f in args.pools.split(",")],
     }
-    out, stem = Path(args.out), output_stem(args)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"{stem}.json", result, echo=False, server_cores=args.cores)
-    (out / f"{stem}.md").write_text(markdown(result))
-    plot(result, out / f"{stem}.png")
-    print(markdown(result))
-    say(f"wrote {out / stem}.json, .md and .png")
+    write_outputs(
+        args.out, output_stem(args), result, markdown(result), plot, server_cores=args.cores
+    )
     return 0
 
 

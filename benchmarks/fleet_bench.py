@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -37,9 +36,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import openai
-from _common import write_json
-from agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize
-from agent_trace import Call, TraceConfig, describe, generate
+from _common import write_outputs
+from agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, trace_of
+from agent_trace import Call, TraceConfig, describe
 from cache_sim import Request, simulate, working_set
 
 import jiuwen_hooks
@@ -420,12 +419,7 @@ def pool_sizes(tokens: list[tuple[int, ...]], sessions: list[str], args: argpars
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = TraceConfig(
-        sessions=args.sessions, bursts_per_session=args.bursts, steps_per_burst=args.steps,
-        seed=args.seed,
-    )  # fmt: skip
-    calls = generate(config)
-    say(f"trace: {json.dumps(describe(calls))}")
+    config, calls = trace_of(args)
     say("tokenising the trace with vLLM's renderer ...")
     args.model_path = build_model(size=args.model)
     args.ports = [free_port() for _ in range(args.replicas)]  # one placement for all scenarios
@@ -441,15 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         **sizes,
         "scenarios": {s.name: run_scenario(s, calls, tokens, args, sizes) for s in args.chosen},
     }
-    out = Path(args.out)
     stem = "fleet_benchmark_quick" if args.quick else "fleet_benchmark"
     stem += "" if args.model == "tiny" else f"_{args.model}"
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"{stem}.json", result, echo=False, replica_cores="one each, 0..n-1")
-    (out / f"{stem}.md").write_text(markdown(result))
-    plot(result, out / f"{stem}.png")
-    print(markdown(result))
-    say(f"wrote {out / stem}.json, .md and .png")
+    write_outputs(args.out, stem, result, markdown(result), plot, replica_cores="one each, 0..n-1")
     return 0
 
 

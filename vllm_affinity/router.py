@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .testing import _die_with_parent, free_port
+from .testing import LoopbackServer, _die_with_parent, free_port
 
 Policy = Literal["session", "round_robin"]
 
@@ -112,7 +112,7 @@ class Routed:
     release: bool
 
 
-class NginxRouter:
+class NginxRouter(LoopbackServer):
     """A real nginx process on 127.0.0.1, in a prefix directory of its own (configuration,
     logs, temporary files), in the foreground so that ``stop()`` ends it."""
 
@@ -125,14 +125,6 @@ class NginxRouter:
         self.prefix = Path(tempfile.mkdtemp(prefix="jiuwen-nginx-"))
         self.access_log = self.prefix / "access.log"
         self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def root_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return self.root_url + "/v1"
 
     def config(self) -> str:
         http = nginx_config(

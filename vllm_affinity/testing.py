@@ -111,7 +111,21 @@ def _die_with_parent() -> None:
         pass
 
 
-class VLLMServer:
+class LoopbackServer:
+    """Something serving HTTP on 127.0.0.1 at ``port``, with its OpenAI base URL."""
+
+    port: int
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.root_url + "/v1"
+
+
+class VLLMServer(LoopbackServer):
     """A vLLM OpenAI-compatible server process on 127.0.0.1."""
 
     def __init__(
@@ -153,14 +167,6 @@ class VLLMServer:
             f"vllm-{'affinity' if plugin else 'vanilla'}-{self.port}.log"
         )
         self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def root_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return self.root_url + "/v1"
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm_affinity", "serve", self.model]
