@@ -134,3 +134,21 @@ def test_the_readme_shows_the_configuration_verbatim() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     printed = nginx_config(["10.0.0.1:8000", "10.0.0.2:8000"], 8000)
     assert f"```nginx\n{printed}```" in readme
+
+
+def test_posted_releases_reach_the_replica_of_their_session(engines: list[LocalEngine]) -> None:
+    """A hook that POSTs its releases (``in_request=False``): each POST carries the session's
+    header, so nginx sends it where the session's calls went."""
+    jiuwen_hooks.uninstall()
+    hook = jiuwen_hooks.install(in_request=False)
+    try:
+        with NginxRouter(_upstreams(engines)) as router:
+            _run_sessions(router, SESSIONS, compact=True)
+            hook.flush()
+    finally:
+        jiuwen_hooks.uninstall()
+    owners = _owner(engines)
+    for index, engine in enumerate(engines):
+        posted = {r.headers["x-session-id"] for r in engine.releases}
+        assert posted == {s for s, found in owners.items() if found == {index}}
+    assert sum(len(e.releases) for e in engines) == len(SESSIONS)
