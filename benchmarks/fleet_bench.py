@@ -130,7 +130,7 @@ class Fleet:
         return next(r for r in self.replicas if upstream.endswith(f":{r.port}"))
 
     def alive(self) -> list[VLLMServer]:
-        return [r for r in self.replicas if r._process is not None]
+        return [r for r in self.replicas if r.running]
 
     def prefix_counters(self) -> tuple[float, float]:
         hits = queries = 0.0

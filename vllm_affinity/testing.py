@@ -168,6 +168,11 @@ class VLLMServer(LoopbackServer):
         )
         self._process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def running(self) -> bool:
+        """Started and not stopped or killed since."""
+        return self._process is not None
+
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm_affinity", "serve", self.model]
         if not self.plugin:

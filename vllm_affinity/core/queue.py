@@ -154,24 +154,30 @@ class SegmentedFreeBlockQueue:
         return out
 
     def _pop_through_released(self, n: int, out: list[Block]) -> list[Block]:
-        """``popleft_n`` when RELEASED holds blocks: segment by segment (their marks cleared)."""
-        for segment in _POP_ORDER:
-            head, tail = self._heads[segment], self._tails[segment]
+        """``popleft_n`` when RELEASED holds blocks: each segment in turn, by the same loop, and
+        their counts and marks settled per segment, not per block."""
+        sizes = (self._num_free, self._num_released, n)  # in _POP_ORDER; NORMAL: what is left
+        for segment, size in zip(_POP_ORDER, sizes, strict=True):
+            take = size if size < n else n
+            if not take:
+                continue
+            head = self._heads[segment]
             node = head.next_free_block
-            while n and node is not tail:
+            for _ in range(take):
                 out.append(node)
                 nxt = node.next_free_block
                 node.prev_free_block = node.next_free_block = None
-                if segment == _FREE:
-                    self._num_free -= 1
-                elif segment == _RELEASED:
-                    self._mark[node.block_id] = _NORMAL
-                    self._num_released -= 1
-                    self.released_reused += 1
                 node = nxt
-                n -= 1
             head.next_free_block = node
             node.prev_free_block = head
+            n -= take
+            if segment == _FREE:
+                self._num_free -= take
+            elif segment == _RELEASED:
+                for block in out[-take:]:
+                    self._mark[block.block_id] = _NORMAL
+                self._num_released -= take
+                self.released_reused += take
         return out
 
     def remove(self, block: Block) -> None:
