@@ -55,7 +55,10 @@ REQUIRED = {
         "_check_model",
     ),
     "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion": ("create_completion",),
-    "vllm.entrypoints.generate.base.serving.GenerateBaseServing": ("_get_data_parallel_rank",),
+    "vllm.entrypoints.generate.base.serving.GenerateBaseServing": (
+        "_get_data_parallel_rank",
+        "_get_session_id",
+    ),
     "vllm.entrypoints.openai.responses.serving.OpenAIServingResponses": (
         "create_responses",
         "online_renderer",

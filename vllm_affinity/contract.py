@@ -111,6 +111,19 @@ class EngineRelease(BaseModel):
         )
 
 
+class EngineIdle(BaseModel):
+    """One engine core's result of marking a session idle (``PoolAffinity.idle_session``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: ``ok``, ``unknown_session``, or ``running`` (its next request already came: nothing done).
+    status: str
+    #: Blocks moved from NORMAL to IDLE (the session's own, not in use).
+    blocks_idled: int = Field(ge=0)
+    #: The session's blocks left alone because another session's latest request holds them.
+    kept_shared: int = Field(ge=0)
+
+
 class EngineRestore(BaseModel):
     """One engine core's result of an openJiuwen ``prefetch`` (``restore_divergent``)."""
 
@@ -137,6 +150,8 @@ class Segments(BaseModel):
 
     free: int = Field(ge=0)
     released: int = Field(ge=0)
+    #: Blocks of sessions waiting on their user (``finish_reason`` ``stop``, or ``X-KV-Next-Use``).
+    idle: int = Field(ge=0)
     normal: int = Field(ge=0)
 
 

@@ -7,8 +7,8 @@
 - ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
   request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
   blocks it releases can serve that very request's allocation.
-- ``EngineCore.affinity_release_prompt`` / ``affinity_stats`` / ``affinity_check``: called from
-  the API server through
+- ``EngineCore.affinity_release_prompt`` / ``affinity_session_idle`` / ``affinity_stats`` /
+  ``affinity_check``: called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
   no locking against the scheduler is needed.
 
@@ -28,8 +28,9 @@ from typing import Any
 import wrapt
 
 from .compat import check_supported_vllm
-from .contract import EngineRelease, EngineRestore, EngineStats, Segments
+from .contract import EngineIdle, EngineRelease, EngineRestore, EngineStats, Segments
 from .core import (
+    IdleResult,
     ReleaseResult,
     ReleaseSelection,
     SegmentedFreeBlockQueue,
@@ -130,6 +131,19 @@ class PoolAffinity:
         self.counters["blocks_restored"] += restored
         return EngineRestore(
             status=status, blocks_restored=restored, first_stale_block=first
+        ).model_dump()
+
+    def idle_session(self, session: str) -> dict[str, Any]:
+        """The session waits on its user: its own blocks go to IDLE, tail first, reused after
+        released blocks and before any live session's. Shared blocks and blocks in use stay."""
+        selection = self.sessions.select_idle(session)
+        blocks = self.pool.blocks
+        moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
+        self.counters["idles"] += 1
+        self.counters[f"idles_{selection.status}"] += 1
+        self.counters["blocks_idled"] += moved
+        return EngineIdle(
+            status=selection.status, blocks_idled=moved, kept_shared=selection.kept_shared
         ).model_dump()
 
     def _hash_of(self, block_id: int) -> Any:
@@ -329,6 +343,12 @@ def _block_hashes(engine_core: Any, prompt_token_ids: list[int], cache_salt: str
     return probe.block_hashes
 
 
+def affinity_session_idle(self: Any, session: str) -> dict[str, Any]:
+    """EngineCore utility: the session's last call ended waiting on its user (see
+    ``core/lifecycle.py``); sent by the API server after the answer, off the request's path."""
+    return _engine_state(self).idle_session(session)
+
+
 def affinity_check(self: Any) -> dict[str, Any]:
     """EngineCore utility: the invariants, checked between scheduler steps."""
     state = _engine_state(self)
@@ -362,6 +382,7 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
     EngineCore.affinity_release_prompt = affinity_release_prompt
     EngineCore.affinity_restore_prompt = affinity_restore_prompt
+    EngineCore.affinity_session_idle = affinity_session_idle
     EngineCore.affinity_stats = affinity_stats
     EngineCore.affinity_check = affinity_check
     _applied = True

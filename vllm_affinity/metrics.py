@@ -56,6 +56,11 @@ class _EngineCollector:
             "Released blocks put back to most-recently-used by openJiuwen prefetch requests",
             labels=["engine"],
         )
+        idled = CounterMetricFamily(
+            "vllm_affinity_engine_blocks_idled",
+            "Blocks of sessions waiting on their user moved to the IDLE segment",
+            labels=["engine"],
+        )
         sessions = GaugeMetricFamily(
             "vllm_affinity_sessions",
             "Sessions tracked (bounded by VLLM_AFFINITY_MAX_SESSIONS)",
@@ -75,6 +80,7 @@ class _EngineCollector:
             sessions.add_metric([engine], stats.sessions)
             bindings.add_metric([engine], stats.bindings)
             restored.add_metric([engine], stats.counter("blocks_restored"))
+            idled.add_metric([engine], stats.counter("blocks_idled"))
             for mode in RELEASE_MODES:
                 releases.add_metric([mode, engine], stats.counter(f"releases_{mode}"))
                 released.add_metric([mode, engine], stats.counter(f"block_released_{mode}"))
@@ -84,6 +90,7 @@ class _EngineCollector:
         yield releases
         yield released
         yield restored
+        yield idled
         yield sessions
         yield bindings
 
@@ -116,6 +123,13 @@ class AffinityMetrics:
             ["action", "outcome"],
             registry=registry,
         )
+        self._lifecycle = Counter(
+            "vllm_affinity_session_lifecycle",
+            "Finished calls of sessions by what follows: idle or live, told by finish_reason or "
+            "by the X-KV-Next-Use hint; invalid hints (400) and idle signals that failed",
+            ["outcome"],
+            registry=registry,
+        )
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()
         self._lock = threading.Lock()
@@ -140,6 +154,11 @@ class AffinityMetrics:
         self._hints.labels(outcome=outcome).inc()
         with self._lock:
             self._counts[f"hints.{outcome}"] += 1
+
+    def count_lifecycle(self, outcome: str) -> None:
+        self._lifecycle.labels(outcome=outcome).inc()
+        with self._lock:
+            self._counts[f"lifecycle.{outcome}"] += 1
 
     def update_engine_stats(self, engines: list[dict[str, Any]]) -> None:
         with self._lock:

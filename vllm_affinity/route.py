@@ -1,6 +1,8 @@
 """vLLM adapter, API-server side: ``POST /release_kv_cache``, ``GET /affinity/stats``,
-``GET /affinity/capabilities``, and two request extensions read by a wrap of vLLM's serving
-methods: the ``cache_sharing`` body field and the ``X-KV-Release`` in-request hint.
+``GET /affinity/capabilities``, and the request extensions read by a wrap of vLLM's serving
+methods: the ``cache_sharing`` body field, the ``X-KV-Release`` in-request hint, and the
+session's lifecycle after the call (``finish_reason`` or ``X-KV-Next-Use``, see
+``lifecycle.py``).
 
 A POSTed release is mapped to blocks exactly with one render: the previous window, cut at the
 released indices, is rendered by vLLM's own chat renderer (same template, same tools); the engine
@@ -18,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -31,7 +33,10 @@ from .agent_hint import AgentHintError, answer_management, read_agent_hint
 from .contract import EngineRelease, ReleaseError, ReleaseRequest
 from .core import HintError, ReleaseHint, engine_rank
 from .core.hint import HEADER as HINT_HEADER
+from .core.lifecycle import HEADER as NEXT_USE_HEADER
+from .core.lifecycle import NextUseError, parse_next_use
 from .engine import HINT_KEY
+from .lifecycle import IdleSignals, watched
 from .metrics import AffinityMetrics
 from .settings import Settings
 
@@ -50,6 +55,7 @@ CAPABILITIES: dict[str, Any] = {
     "release_header": HINT_HEADER,
     "session_header": SESSION_HEADER,
     "agent_hint": True,
+    "next_use_header": NEXT_USE_HEADER,
 }
 
 
@@ -73,6 +79,12 @@ class ReleaseService:
     metrics: AffinityMetrics
     #: Engine cores of a data-parallel server (1 without data parallelism).
     data_parallel_size: int = 1
+    idle_signals: IdleSignals = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.idle_signals = IdleSignals(
+            self.call_engines, self.settings.idle_after, self.metrics.count_lifecycle
+        )
 
     # -- request handling ---------------------------------------------------------------------
     async def handle(self, raw: Request) -> JSONResponse:
@@ -418,6 +430,8 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         if hint is not None:
             count_hint("accepted")
             _hint_span(raw_request, hint)
+        if settings.lifecycle:
+            return _with_lifecycle(wrapped, instance, args, kwargs, request, raw_request)
         return wrapped(*args, **kwargs)
 
     def session_rank(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -448,6 +462,24 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
     wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
     wrapt.wrap_function_wrapper(OpenAIServingResponses, "create_responses", before)
     _wrapped_serving = True
+
+
+def _with_lifecycle(
+    wrapped: Any, instance: Any, args: Any, kwargs: Any, request: Any, raw_request: Any
+) -> Any:
+    """The serving call, watched for how it ends when it belongs to a session (the key the
+    engine binds its blocks under: vLLM's session id, else the cache salt)."""
+    service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
+    session = instance._get_session_id(request, raw_request) or request.cache_salt
+    if service is None or not session:
+        return wrapped(*args, **kwargs)
+    value = raw_request.headers.get(NEXT_USE_HEADER)
+    try:
+        next_use = None if value is None else parse_next_use(value)
+    except NextUseError as exc:
+        service.metrics.count_lifecycle("invalid")
+        return _hint_error(instance, str(exc))
+    return watched(wrapped(*args, **kwargs), service.idle_signals.on_finish(session, next_use))
 
 
 async def _hint_error(serving: Any, message: str) -> Any:

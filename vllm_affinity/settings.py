@@ -34,6 +34,12 @@ class Settings:
     #: vLLM's balancer picks the least-loaded engine per request. A client's or router's
     #: ``X-data-parallel-rank`` header wins either way.
     dp_session_affinity: bool = True
+    #: Move the blocks of a session whose call ended waiting on its user (``finish_reason``
+    #: ``stop``, or ``X-KV-Next-Use`` at least ``idle_after`` seconds) to the IDLE segment,
+    #: reused after released blocks and before those of live sessions.
+    lifecycle: bool = True
+    #: Seconds of an ``X-KV-Next-Use`` hint from which the session counts as idle.
+    idle_after: float = 10.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -43,16 +49,11 @@ class Settings:
             raise ValueError(
                 f"VLLM_AFFINITY_CACHE_SHARING={sharing!r}: expected 'allow' or 'refuse'"
             )
-        interval = env.get("VLLM_AFFINITY_STATS_INTERVAL", "2")
-        try:
-            seconds = float(interval)
-        except ValueError:
-            raise ValueError(
-                f"VLLM_AFFINITY_STATS_INTERVAL={interval!r}: expected seconds"
-            ) from None
         return cls(
             allow_cache_sharing=sharing == "allow",
-            stats_interval=seconds,
+            stats_interval=_seconds(env, "VLLM_AFFINITY_STATS_INTERVAL", 2.0),
+            lifecycle=_flag(env, "VLLM_AFFINITY_LIFECYCLE", True),
+            idle_after=_seconds(env, "VLLM_AFFINITY_IDLE_AFTER_S", 10.0),
             release_on_divergence=_flag(env, "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", False),
             dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
@@ -68,6 +69,17 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value not in _TRUE + _FALSE:
         raise ValueError(f"{name}={raw!r}: expected true or false")
     return value in _TRUE
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name}={raw!r}: expected seconds (a non-negative number)")
+    return value
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:

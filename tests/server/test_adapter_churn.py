@@ -1,6 +1,6 @@
 """The engine adapter on the real vLLM KVCacheManager under churn: any sequence of requests
 (shared prefixes, parallel requests of one session), decoding, finishing, aborting, preemption
-and resumption, releases and session-table eviction keeps every invariant of
+and resumption, releases, idle sessions and session-table eviction keeps every invariant of
 ``PoolAffinity.check`` (the one ``GET /affinity/check`` runs), and an idle pool ends clean."""
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ class ChurnMachine(RuleBasedStateMachine):
     @rule(session=st.sampled_from(SESSIONS + "z"), first=st.integers(0, 5))
     def release(self, session: str, first: int) -> None:
         self.state.release(session, first)
+
+    @rule(session=st.sampled_from(SESSIONS + "z"))
+    def idle(self, session: str) -> None:
+        self.state.idle_session(session)
 
     @invariant()
     def consistent(self) -> None:

@@ -1,4 +1,4 @@
-"""The three-segment queue (pure core) against a plain reference model."""
+"""The segmented queue (pure core) against a plain reference model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vllm_affinity.core import ReleaseResult, Segment, SegmentedFreeBlockQueue
+from vllm_affinity.core import IdleResult, ReleaseResult, Segment, SegmentedFreeBlockQueue
 
 
 @dataclass(eq=False)
@@ -49,8 +49,32 @@ def test_aged_blocks_come_out_first_each_segment_in_lru_order() -> None:
     assert q.release(blocks[1]) is ReleaseResult.MOVED
     assert q.release(blocks[1]) is ReleaseResult.NOOP
     assert ids(q.get_all_free_blocks()) == [4, 1, 0, 2, 3, 5]
-    assert q.segment_sizes() == {"free": 0, "released": 2, "normal": 4}
+    assert q.segment_sizes() == {"free": 0, "released": 2, "idle": 0, "normal": 4}
     assert ids(q.popleft_n(3)) == [4, 1, 0]
+
+
+def test_idle_blocks_go_after_released_and_before_live_ones() -> None:
+    """A session waiting on its user: its blocks are reused after released ones and before any
+    live session's, in the order they went idle; a hit makes one live again."""
+    blocks = [FakeBlock(i) for i in range(6)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(6)))  # NORMAL 0..5
+    assert q.idle(blocks[3]) is IdleResult.MOVED
+    assert q.idle(blocks[1]) is IdleResult.MOVED
+    assert q.idle(blocks[1]) is IdleResult.NOOP
+    assert q.release(blocks[5]) is ReleaseResult.MOVED
+    assert q.release(blocks[3]) is ReleaseResult.MOVED  # from IDLE: released outranks idle
+    assert ids(q.get_all_free_blocks()) == [5, 3, 1, 0, 2, 4]
+    assert q.segment_sizes() == {"free": 0, "released": 2, "idle": 1, "normal": 3}
+    in_use = q.popleft_n(3)
+    assert ids(in_use) == [5, 3, 1]
+    assert q.idle(in_use[0]) is IdleResult.NOOP  # in use: nothing pending, unlike release
+    assert q.released_reused == 2
+    q.idle(blocks[2])
+    q.remove(blocks[2])  # its session came back: a prefix hit
+    q.append(blocks[2])
+    assert q.segment_of(blocks[2]) is Segment.NORMAL
+    assert q.segment_sizes() == {"free": 0, "released": 0, "idle": 0, "normal": 3}
 
 
 def test_uncached_blocks_are_reused_before_released_ones() -> None:
@@ -128,7 +152,7 @@ class QueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.blocks = [FakeBlock(i) for i in range(self.N)]
         self.q = SegmentedFreeBlockQueue(self.blocks)
-        self.ref: list[list[int]] = [list(range(self.N)), [], []]
+        self.ref: list[list[int]] = [list(range(self.N)), [], [], []]  # in pop order
         self.pending: set[int] = set()
 
     def in_queue(self) -> list[int]:
@@ -165,7 +189,7 @@ class QueueMachine(RuleBasedStateMachine):
     def free_cached(self, data: st.DataObject) -> None:
         chosen = data.draw(st.lists(st.sampled_from(self.out_of_queue()), unique=True, min_size=1))
         for block_id in chosen:
-            seg = 1 if block_id in self.pending else 2
+            seg = 1 if block_id in self.pending else 3
             self.pending.discard(block_id)
             self.ref[seg].append(block_id)
         self.q.append_n(cached([self.blocks[i] for i in chosen]))
@@ -181,8 +205,8 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(block_id=st.integers(min_value=0, max_value=N - 1))
     def release(self, block_id: int) -> None:
         result = self.q.release(self.blocks[block_id])
-        if block_id in self.ref[2]:
-            self.ref[2].remove(block_id)
+        if block_id in self.ref[2] or block_id in self.ref[3]:
+            (self.ref[2] if block_id in self.ref[2] else self.ref[3]).remove(block_id)
             self.ref[1].append(block_id)
             assert result is ReleaseResult.MOVED
         elif block_id in self.in_queue() or block_id in self.pending:
@@ -192,11 +216,21 @@ class QueueMachine(RuleBasedStateMachine):
             assert result is ReleaseResult.PENDING
 
     @rule(block_id=st.integers(min_value=0, max_value=N - 1))
+    def idle(self, block_id: int) -> None:
+        result = self.q.idle(self.blocks[block_id])
+        if block_id in self.ref[3]:
+            self.ref[3].remove(block_id)
+            self.ref[2].append(block_id)
+            assert result is IdleResult.MOVED
+        else:
+            assert result is IdleResult.NOOP
+
+    @rule(block_id=st.integers(min_value=0, max_value=N - 1))
     def restore(self, block_id: int) -> None:
         result = self.q.restore(self.blocks[block_id])
-        if block_id in self.ref[1]:
-            self.ref[1].remove(block_id)
-            self.ref[2].append(block_id)
+        if block_id in self.ref[1] or block_id in self.ref[2]:
+            (self.ref[1] if block_id in self.ref[1] else self.ref[2]).remove(block_id)
+            self.ref[3].append(block_id)
             assert result is True
         elif block_id in self.pending:
             self.pending.discard(block_id)
@@ -209,9 +243,10 @@ class QueueMachine(RuleBasedStateMachine):
         assert ids(self.q.get_all_free_blocks()) == self.in_queue()
         assert self.q.num_free_blocks == len(self.in_queue())
         sizes = self.q.segment_sizes()
-        assert [sizes["free"], sizes["released"], sizes["normal"]] == [len(s) for s in self.ref]
+        names = ("free", "released", "idle", "normal")
+        assert [sizes[name] for name in names] == [len(s) for s in self.ref]
         assert self.q.num_pending == len(self.pending)
-        segments = (Segment.FREE, Segment.RELEASED, Segment.NORMAL)
+        segments = (Segment.FREE, Segment.RELEASED, Segment.IDLE, Segment.NORMAL)
         for block in self.blocks:
             expected = next(
                 (s for s, ref in zip(segments, self.ref, strict=True) if block.block_id in ref),

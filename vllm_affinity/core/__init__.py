@@ -2,12 +2,13 @@
 
 from .hint import HintError, ReleaseHint
 from .placement import engine_rank
-from .queue import ReleaseResult, Segment, SegmentedFreeBlockQueue
+from .queue import IdleResult, ReleaseResult, Segment, SegmentedFreeBlockQueue
 from .sessions import ReleaseSelection, SessionBlocks
 from .tokens import common_prefix_length, first_divergent_block
 
 __all__ = [
     "HintError",
+    "IdleResult",
     "ReleaseHint",
     "ReleaseResult",
     "ReleaseSelection",

@@ -1,11 +1,12 @@
-"""Pure core: the three-segment free-block queue (no vLLM import).
+"""Pure core: the segmented free-block queue (no vLLM import).
 
 A drop-in for vLLM's ``FreeKVCacheBlockQueue``: same methods, same intrusive links
 (``prev_free_block`` / ``next_free_block`` on the blocks themselves, so no allocation per
-operation), but three segments popped in order:
+operation), but four segments popped in order:
 
     FREE      blocks without a cached hash (never hit again)      — popped first
     RELEASED  cached blocks a session declared stale, LRU order
+    IDLE      cached blocks of sessions waiting on their user, in the order they went idle
     NORMAL    cached blocks, LRU order                             — popped last
 
 Where blocks go, mirroring how ``BlockPool`` uses the queue:
@@ -14,11 +15,12 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
   as vLLM's own queue is for these blocks;
 - ``append`` / ``append_n`` (freed cached blocks) → tail of NORMAL, or of RELEASED for a block
   that ``release`` marked pending while it was still in use;
-- ``release`` of a queued NORMAL block → tail of RELEASED.
+- ``release`` of a queued NORMAL or IDLE block → tail of RELEASED;
+- ``idle`` of a queued NORMAL block → tail of IDLE (a block in use is in use: no pending idle).
 
 Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
-the segment sizes; RELEASED and NORMAL keep insertion order (least recently freed first). A
-released block keeps its hash: it can still be hit until it is actually reused.
+the segment sizes; RELEASED, IDLE and NORMAL keep insertion order (least recently freed first). A
+released or idle block keeps its hash: it can still be hit until it is actually reused.
 
 Precondition, ``BlockPool``'s own rule: ``prepend_n`` gets blocks without a hash and only those
 are removed from FREE, since a block without a hash is never hit (``remove`` is the prefix
@@ -50,6 +52,7 @@ class Segment(IntEnum):
 
     FREE = 1
     RELEASED = 2
+    IDLE = 3
     NORMAL = 0
 
 
@@ -57,6 +60,11 @@ class ReleaseResult(IntEnum):
     MOVED = 0  # was NORMAL, now RELEASED
     PENDING = 1  # in use: goes to RELEASED when freed
     NOOP = 2  # already FREE or RELEASED (or already pending)
+
+
+class IdleResult(IntEnum):
+    MOVED = 0  # was NORMAL, now IDLE
+    NOOP = 1  # in use, or already FREE, RELEASED or IDLE
 
 
 class _Sentinel:
@@ -70,17 +78,18 @@ class _Sentinel:
         self.next_free_block: Any = None
 
 
-_NORMAL, _FREE, _RELEASED, _OUT = 0, 1, 2, -1  # plain ints on the hot path; Segment outside
-_POP_ORDER = (_FREE, _RELEASED, _NORMAL)
+_NORMAL, _FREE, _RELEASED, _IDLE, _OUT = 0, 1, 2, 3, -1  # plain ints on the hot path
+_POP_ORDER = (_FREE, _RELEASED, _IDLE, _NORMAL)
 
 
 class SegmentedFreeBlockQueue:
-    """Free-block queue with FREE > RELEASED > NORMAL eviction priority; O(1) per block.
+    """Free-block queue with FREE > RELEASED > IDLE > NORMAL eviction priority; O(1) per block.
 
     How a block's segment is known without paying for it on vLLM's hot calls: a block is in
     the queue exactly when its ``prev_free_block`` is set (vLLM's own convention); a list
-    indexed by block id marks the RELEASED blocks (the rare segment) while they are in it; a
-    queued block that is not marked is FREE when it has no hash, else NORMAL. So ``append_n``
+    indexed by block id marks the RELEASED and IDLE blocks (the rare segments) while they are in
+    them; a queued block that is not marked is FREE when it has no hash, else NORMAL. One count
+    of the marked blocks guards the hot calls, so without releases or idle sessions ``append_n``
     and ``prepend_n`` (every block ``BlockPool`` frees) and popping FREE or NORMAL do the same
     work per block as vLLM's queue. The NORMAL size is the remainder of the total.
     """
@@ -101,7 +110,8 @@ class SegmentedFreeBlockQueue:
         self._normal_head, self._normal_tail = self._heads[_NORMAL], self._tails[_NORMAL]
         self._mark = [_NORMAL] * capacity
         self._num_free = 0  # size of FREE
-        self._num_released = 0  # size of RELEASED
+        self._num_marked = 0  # size of RELEASED + IDLE: the hot paths' one check
+        self._num_idle = 0  # size of IDLE
         self._pending: set[int] = set()
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
@@ -132,8 +142,8 @@ class SegmentedFreeBlockQueue:
             node.prev_free_block = head
             self._num_free = num_free - n
             return out
-        if self._num_released:
-            return self._pop_through_released(n, out)
+        if self._num_marked:
+            return self._pop_through_marked(n, out)
         # What FREE holds, then NORMAL, in vLLM's one loop: FREE's last block is linked to
         # NORMAL's first and FREE is emptied first.
         normal = self._normal_head
@@ -153,10 +163,11 @@ class SegmentedFreeBlockQueue:
         node.prev_free_block = normal
         return out
 
-    def _pop_through_released(self, n: int, out: list[Block]) -> list[Block]:
-        """``popleft_n`` when RELEASED holds blocks: each segment in turn, by the same loop, and
-        their counts and marks settled per segment, not per block."""
-        sizes = (self._num_free, self._num_released, n)  # in _POP_ORDER; NORMAL: what is left
+    def _pop_through_marked(self, n: int, out: list[Block]) -> list[Block]:
+        """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn, by the same
+        loop, and their counts and marks settled per segment, not per block."""
+        released = self._num_marked - self._num_idle
+        sizes = (self._num_free, released, self._num_idle, n)  # in _POP_ORDER; NORMAL: the rest
         for segment, size in zip(_POP_ORDER, sizes, strict=True):
             take = size if size < n else n
             if not take:
@@ -173,11 +184,14 @@ class SegmentedFreeBlockQueue:
             n -= take
             if segment == _FREE:
                 self._num_free -= take
-            elif segment == _RELEASED:
+            elif segment != _NORMAL:
                 for block in out[-take:]:
                     self._mark[block.block_id] = _NORMAL
-                self._num_released -= take
-                self.released_reused += take
+                self._num_marked -= take
+                if segment == _IDLE:
+                    self._num_idle -= take
+                else:
+                    self.released_reused += take
         return out
 
     def remove(self, block: Block) -> None:
@@ -189,9 +203,11 @@ class SegmentedFreeBlockQueue:
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
-        if self._num_released and self._mark[block.block_id]:  # RELEASED
+        if self._num_marked and self._mark[block.block_id]:  # RELEASED or IDLE
+            if self._mark[block.block_id] == _IDLE:
+                self._num_idle -= 1
             self._mark[block.block_id] = _NORMAL
-            self._num_released -= 1
+            self._num_marked -= 1
         elif block.block_hash is None:  # FREE (vLLM never does this: no hash, no hit)
             self._num_free -= 1
 
@@ -265,7 +281,7 @@ class SegmentedFreeBlockQueue:
     def release(self, block: Block) -> ReleaseResult:
         """Make a block the next cached block to be reused (after the uncached ones)."""
         segment = self._segment_index(block)
-        if segment == _NORMAL:
+        if segment in (_NORMAL, _IDLE):
             self.remove(block)
             self._link_run([block], _RELEASED)
             return ReleaseResult.MOVED
@@ -274,10 +290,21 @@ class SegmentedFreeBlockQueue:
         self._pending.add(block.block_id)
         return ReleaseResult.PENDING
 
+    def idle(self, block: Block) -> IdleResult:
+        """Its session waits on a user: a queued NORMAL block goes to the tail of IDLE, reused
+        after the released blocks and before every live session's. A block in use (another
+        session's, or its own session came back) stays as it is."""
+        if self._segment_index(block) != _NORMAL:
+            return IdleResult.NOOP
+        self.remove(block)
+        self._link_run([block], _IDLE)
+        return IdleResult.MOVED
+
     def restore(self, block: Block) -> bool:
-        """Undo ``release``: a RELEASED block goes to the most-recently-used end of NORMAL, a
-        pending one will go to NORMAL when freed. False when the block was neither."""
-        if self._segment_index(block) == _RELEASED:
+        """Undo ``release`` or ``idle``: a RELEASED or IDLE block goes to the most-recently-used
+        end of NORMAL, a pending one will go to NORMAL when freed. False when the block was
+        none of these."""
+        if self._segment_index(block) in (_RELEASED, _IDLE):
             self.remove(block)
             self.append_n([block])
             return True
@@ -296,8 +323,14 @@ class SegmentedFreeBlockQueue:
         return None if segment == _OUT else Segment(segment)
 
     def segment_sizes(self) -> dict[str, int]:
-        normal = self.num_free_blocks - self._num_free - self._num_released
-        return {"free": self._num_free, "released": self._num_released, "normal": normal}
+        released = self._num_marked - self._num_idle
+        normal = self.num_free_blocks - self._num_free - self._num_marked
+        return {
+            "free": self._num_free,
+            "released": released,
+            "idle": self._num_idle,
+            "normal": normal,
+        }
 
     @property
     def num_pending(self) -> int:
@@ -307,20 +340,23 @@ class SegmentedFreeBlockQueue:
     def _segment_index(self, block: Block) -> int:
         if block.prev_free_block is None:
             return _OUT
-        if self._mark[block.block_id]:
-            return _RELEASED
+        mark = self._mark[block.block_id]
+        if mark:
+            return mark
         return _FREE if block.block_hash is None else _NORMAL
 
     def _link_run(self, blocks: list[Block], segment: int) -> None:
-        """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED."""
+        """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED or
+        IDLE."""
         if not blocks:
             return
         mark = self._mark
         after = self._tails[segment]
         prev = after.prev_free_block
+        marked = segment in (_RELEASED, _IDLE)
         for block in blocks:
-            if segment == _RELEASED:
-                mark[block.block_id] = _RELEASED
+            if marked:
+                mark[block.block_id] = segment
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
@@ -328,6 +364,8 @@ class SegmentedFreeBlockQueue:
         after.prev_free_block = prev
         if segment == _FREE:
             self._num_free += len(blocks)
-        elif segment == _RELEASED:
-            self._num_released += len(blocks)
+        elif marked:
+            self._num_marked += len(blocks)
+            if segment == _IDLE:
+                self._num_idle += len(blocks)
         self.num_free_blocks += len(blocks)

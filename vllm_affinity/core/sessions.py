@@ -37,11 +37,11 @@ class SessionRecord:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseSelection:
-    """Outcome of a release request on the session table."""
+    """Outcome of a release (or idle) request on the session table."""
 
     block_ids: list[int] = field(default_factory=list)  # nobody else holds them: release
     kept_shared: int = 0  # still held by another session
-    status: str = "ok"  # "ok" | "unknown_session" | "record_mismatch"
+    status: str = "ok"  # "ok" | "unknown_session" | "record_mismatch" | "running"
 
 
 class SessionBlocks:
@@ -120,6 +120,28 @@ class SessionBlocks:
             return ReleaseSelection(status="unknown_session")
         released, kept = self._let_go(record, first_block)
         return ReleaseSelection(released, kept)
+
+    def select_idle(self, session: str) -> ReleaseSelection:
+        """The blocks of ``session``'s latest request that it alone holds, tail first (the order
+        LRU gives them up in): the ones to reuse early while it waits on its user. Unlike a
+        release, the session keeps holding them. Status ``running`` while its request runs."""
+        record = self.latest.get(session)
+        if record is None:
+            return ReleaseSelection(status="unknown_session")
+        if record.request_id is not None:
+            return ReleaseSelection(status="running")
+        own: list[int] = []
+        shared = 0
+        holders, generation = self._holders, self._generation
+        for i in reversed(range(record.held)):
+            block_id = record.block_ids[i]
+            if generation.get(block_id, 0) != record.generations[i]:
+                continue  # reused since
+            if holders.get(block_id, 0) == 1:
+                own.append(block_id)
+            else:
+                shared += 1
+        return ReleaseSelection(own, shared)
 
     def unreused(self, session: str, first_block: int) -> list[int]:
         """The blocks of ``session``'s latest request from ``first_block`` on that still hold the
