@@ -7,10 +7,10 @@
   request's blocks from the first stale block on (unless another session still uses them) are
   evicted before any other cached block;
 - ``lifecycle``: ``lru_release`` plus the session's state: when a request ends its burst
-  (``finish == "stop"``: the session waits for its user), its blocks (those no active session
-  holds) go to an IDLE segment, evicted after the released blocks and before the live LRU
-  ones; a session inside a tool call (``tool_calls``) keeps its blocks in LRU; a session the
-  agent ended (``finish == "end"``, ``jiuwen_hooks.end_session``) is released whole;
+  (``finish == "stop"``: the session waits for its user), its blocks (those no other session
+  holds, as the plugin's ``SessionBlocks.select_idle``) go to an IDLE segment, evicted after
+  the released blocks and before the live LRU ones; a session inside a tool call
+  (``tool_calls``) keeps its blocks in LRU; a session the agent ended (``finish == "end"``, ``jiuwen_hooks.end_session``) is released whole;
 - ``belady``: evict the cached block whose next use is farthest in the future (deeper blocks
   first on ties, so the cache stays prefix-closed: a child is never used before its parent).
 
@@ -67,7 +67,6 @@ class _Cache:
         self.order: OrderedDict[int, None] = OrderedDict()
         self.released: OrderedDict[int, None] = OrderedDict()
         self.idle: OrderedDict[int, None] = OrderedDict()
-        self.idle_sessions: set[str] = set()
         self.owners: dict[int, set[str]] = {}
         self.latest: dict[str, list[int]] = {}
         self.ids = itertools.count()
@@ -132,15 +131,14 @@ class _Cache:
             self.idle_session(session)
 
     def idle_session(self, session: str) -> None:
-        self.idle_sessions.add(session)
+        """As the plugin does: the session's blocks that no other session holds, tail first."""
         for b in reversed(self.latest.get(session, [])):  # the tail goes first, as in LRU
-            if b in self.order and self.owners.get(b, set()) <= self.idle_sessions:
+            if b in self.order and self.owners.get(b) == {session}:
                 del self.order[b]
                 self.idle[b] = None
 
     def request(self, session: str, hashes: list[int], tokens: int, generated: int) -> int:
         """Serve one request; returns the number of prompt tokens hit."""
-        self.idle_sessions.discard(session)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)

@@ -4,7 +4,8 @@ seconds: ``agent_trace.Timing``).
 
 Every window is tokenised with vLLM's own renderer (``/tokenize`` of a real server), then
 ``cache_sim.simulate`` replays the trace under every policy at several pool sizes (fractions of
-the trace's working set). No policy here runs in the plugin yet: this is the design table.
+the trace's working set). ``lifecycle`` is what the plugin runs (its IDLE segment);
+``benchmarks/lifecycle_replay.py`` checks the simulator against real servers.
 
     python benchmarks/lifecycle_sim.py            # ~1 minute (one server start to tokenise)
 
