@@ -10,7 +10,8 @@
   (``finish == "stop"``: the session waits for its user), its blocks (those no other session
   holds, as the plugin's ``SessionBlocks.select_idle``) go to an IDLE segment, evicted after
   the released blocks and before the live LRU ones; a session inside a tool call
-  (``tool_calls``) keeps its blocks in LRU; a session the agent ended (``finish == "end"``, ``jiuwen_hooks.end_session``) is released whole;
+  (``tool_calls``) keeps its blocks in LRU; a session the agent ended (``finish == "end"``,
+  ``jiuwen_hooks.end_session``) is released whole;
 - ``belady``: evict the cached block whose next use is farthest in the future (deeper blocks
   first on ties, so the cache stays prefix-closed: a child is never used before its parent).
 
