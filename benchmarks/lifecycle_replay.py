@@ -24,8 +24,9 @@ calls were actually sent, and the blocks in use by overlapping calls make the tw
     python benchmarks/lifecycle_replay.py --speed 20
 
     python benchmarks/lifecycle_replay.py --trace ordered  # the agent benchmark's trace
+    python benchmarks/lifecycle_replay.py --quick          # CI's (~3 minutes)
 
-Output: ``<out>/lifecycle_replay[_ordered][_speed<N>].json`` and ``.md`` (default
+Output: ``<out>/lifecycle_replay[_quick][_ordered][_speed<N>].json`` and ``.md`` (default
 ``benchmarks/results``).
 """
 
@@ -231,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pools", default="0.25,0.5")
     parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="CI's run: 4 sessions of 2 bursts of 3 calls, pool 0.5x",
+    )  # fmt: skip
     parser.add_argument("--speed", type=float, default=0.0)
     parser.add_argument(
         "--trace", choices=("timed", "ordered"), default="timed",
@@ -240,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = TraceConfig(sessions=args.sessions)
+    if args.quick:
+        config = TraceConfig(sessions=4, bursts_per_session=2, steps_per_burst=3)
+        args.pools = "0.5"
     calls = generate_timed(config) if args.trace == "timed" else generate(config)
     if args.trace == "ordered" and args.speed:
         parser.error("--speed needs the timed trace")
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         "speed": args.speed,
         "runs": [run_pool(float(f), calls, tokens, args) for f in args.pools.split(",")],
     }
-    stem = "lifecycle_replay" + ("_ordered" if args.trace == "ordered" else "")
+    stem = "lifecycle_replay" + ("_quick" if args.quick else "")
+    stem += "_ordered" if args.trace == "ordered" else ""
     stem += f"_speed{args.speed:g}" if args.speed else ""
     out = Path(args.out)
     write_json(out / f"{stem}.json", result, echo=False)

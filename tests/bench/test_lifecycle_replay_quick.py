@@ -1,0 +1,29 @@
+"""CI's short run of the lifecycle replay: real servers agree with the simulator, scenario by
+scenario, and the lifecycle scenario really moves blocks to IDLE."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lifecycle_replay
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_quick_replay_agrees_with_the_simulator(tmp_path: Path) -> None:
+    assert lifecycle_replay.main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "lifecycle_replay_quick.json").read_text())
+    (run,) = result["runs"]
+    scenarios = run["scenarios"]
+    assert set(scenarios) == {"vanilla", "release", "lifecycle"}
+    for name, figures in scenarios.items():
+        assert figures["sent_in_trace_order"], name
+        assert abs(figures["sim_minus_real"]) <= 0.01, (name, figures)
+    assert scenarios["release"]["block_released"] > 0
+    assert scenarios["release"]["blocks_idled"] == 0  # lifecycle off on that server
+    assert scenarios["lifecycle"]["blocks_idled"] > 0
+    prompts = {figures["prompt_tokens"] for figures in scenarios.values()}
+    assert len(prompts) == 1  # the same trace on every server
+    assert "| pool |" in (tmp_path / "lifecycle_replay_quick.md").read_text()
