@@ -155,50 +155,47 @@ def test_shared_prefix_is_kept_until_both_sessions_release() -> None:
     assert_no_leak(manager)
 
 
-def test_idle_session_is_evicted_before_a_live_one_and_after_released_blocks() -> None:
-    """A (waiting on its user) goes idle, B (in a tool call) does not: a new session's blocks
-    come from the released tail first, then A's blocks, and B's prefix survives. A's shared
-    system-prompt block stays NORMAL while B holds it."""
+def squeeze(idle: bool) -> tuple[int, int]:
+    """B (in a tool call) is older in LRU than A (waiting on its user, idled when ``idle``); D
+    has one released block; C then needs every free, released and idle block. Returns the
+    prompt tokens B and A would still hit."""
     manager = make_manager(14)  # 13 usable blocks
     system = tokens(0, 1)
-    a = make_request(system + tokens(100, 3), session="A")
     b = make_request(system + tokens(200, 3), session="B")
-    d = make_request(tokens(300, 2), session="D")
-    for request in (a, b, d):  # LRU order after this: A's, B's, D's blocks
-        run_prefill(manager, request)
-    for request in (a, b, d):
-        manager.free(request)
-    state = state_of(manager)
-    state.release("D", 1)  # one released block
-    result = state.idle_session("A")
-    assert result == {"status": "ok", "blocks_idled": 3, "kept_shared": 1}
-    assert state.queue.segment_sizes() == {"free": 4, "released": 1, "idle": 3, "normal": 5}
-    assert state.idle_session("A")["blocks_idled"] == 0  # already idle
-    c = make_request(tokens(900, 8), session="C")  # 4 free + 1 released + 3 idle
-    run_prefill(manager, c)
-    assert state.queue.released_reused == 1
-    b2 = make_request(system + tokens(200, 3), session="B")
-    assert manager.get_computed_blocks(b2)[1] == 3 * BLOCK  # B, in its tool call, kept all
-    a2 = make_request(system + tokens(100, 3), session="A")
-    assert manager.get_computed_blocks(a2)[1] == BLOCK  # A kept only the shared block
-    assert_no_leak(manager)
-
-
-def test_without_idle_lru_evicts_the_session_in_a_tool_call() -> None:
-    """Control for the test above: with A not idled, B loses its prefix."""
-    manager = make_manager(14)
-    system = tokens(0, 1)
     a = make_request(system + tokens(100, 3), session="A")
-    b = make_request(system + tokens(200, 3), session="B")
     d = make_request(tokens(300, 2), session="D")
-    for request in (b, a, d):  # B older than A: plain LRU takes B's first
+    for request in (b, a, d):  # LRU order: B's blocks, A's, D's
         run_prefill(manager, request)
     for request in (b, a, d):
         manager.free(request)
-    state_of(manager).release("D", 1)
-    run_prefill(manager, make_request(tokens(900, 8), session="C"))
-    b2 = make_request(system + tokens(200, 3), session="B")
-    assert manager.get_computed_blocks(b2)[1] < 3 * BLOCK
+    state = state_of(manager)
+    state.release("D", 1)
+    if idle:
+        assert state.idle_session("A") == {"status": "ok", "blocks_idled": 3, "kept_shared": 1}
+        sizes = {"free": 4, "released": 1, "idle": 3, "normal": 5}
+        assert state.queue.segment_sizes() == sizes
+        assert state.idle_session("A")["blocks_idled"] == 0  # already idle
+    run_prefill(manager, make_request(tokens(900, 8), session="C"))  # 4 + 1 + 3 blocks
+    assert state.queue.released_reused == 1
+    b_hits = manager.get_computed_blocks(make_request(system + tokens(200, 3), session="B"))[1]
+    a_hits = manager.get_computed_blocks(make_request(system + tokens(100, 3), session="A"))[1]
+    assert_no_leak(manager)
+    return b_hits, a_hits
+
+
+def test_idle_session_is_evicted_before_a_live_one_and_after_released_blocks() -> None:
+    """C's blocks come from the released block, then A's idle ones: B, in its tool call, keeps
+    its whole prefix although it is older; A keeps only the system block B shares."""
+    b_hits, a_hits = squeeze(idle=True)
+    assert b_hits == 3 * BLOCK
+    assert a_hits == BLOCK
+
+
+def test_without_idle_lru_evicts_the_session_in_a_tool_call() -> None:
+    """Control for the test above: plain LRU takes the older B's blocks."""
+    b_hits, a_hits = squeeze(idle=False)
+    assert b_hits < 3 * BLOCK
+    assert a_hits == 3 * BLOCK
 
 
 def test_idle_does_nothing_to_a_running_or_unknown_session() -> None:
