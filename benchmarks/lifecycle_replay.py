@@ -188,7 +188,7 @@ def run_pool(
     floor = -(-(max(len(t) for t in tokens) + MAX_TOKENS) // BLOCK_SIZE) + 1
     capacity = max(math.ceil(fraction * working_set(requests, BLOCK_SIZE)), floor)
     row: dict[str, Any] = {"pool": fraction, "blocks": capacity, "scenarios": {}}
-    for scenario in SCENARIOS:
+    for scenario in scenarios(args.scenarios):
         say(f"pool {fraction}x ({capacity} blocks): {scenario.name} ...")
         env = {"VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false"}
         with VLLMServer(
@@ -208,6 +208,15 @@ def run_pool(
             f"p90 {summary['ttft_ms_p90']} ms"
         )
     return row
+
+
+def scenarios(names: str) -> list[Scenario]:
+    """The scenarios named (comma-separated), in that order: the order they run in."""
+    known = {s.name: s for s in SCENARIOS}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {unknown}; expected some of {list(known)}")
+    return [known[n] for n in names.split(",")]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -242,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         help="ordered: the agent benchmark's trace (no clock: --speed does not apply)",
     )  # fmt: skip
     parser.add_argument("--cores", default="0", help="the model worker's cores")
+    parser.add_argument(
+        "--scenarios", default=",".join(s.name for s in SCENARIOS),
+        help="which scenarios, in the order they run (one after another: TTFT drifts)",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     config = TraceConfig(sessions=args.sessions)
