@@ -15,6 +15,16 @@
 - ``belady``: evict the cached block whose next use is farthest in the future (deeper blocks
   first on ties, so the cache stays prefix-closed: a child is never used before its parent).
 
+Two oracles measure what ``lifecycle`` misses against Belady (neither can run for real: each
+knows the future):
+
+- ``lifecycle+early``: a session's blocks that its *next* call will not use are released as
+  soon as its current call ends, not when the next call arrives (the compaction known one tool
+  call ahead);
+- ``lifecycle+order``: the IDLE segment evicts the blocks of the idle session that returns
+  last first (who comes back first, known);
+- ``lifecycle+both``: the two together.
+
 Requests are processed one at a time, as the benchmark replays them. Hits follow vLLM's rules:
 the longest prefix of full blocks found in the cache, at most ``(prompt_tokens - 1) // block``
 blocks (the last token is always computed). Physical blocks are modelled, so a recomputed block
@@ -31,8 +41,12 @@ from dataclasses import dataclass
 from vllm_affinity.core import common_prefix_length
 
 POLICIES = ("infinite", "lru", "lru_release", "lifecycle", "belady")
+ORACLES = ("lifecycle+early", "lifecycle+order", "lifecycle+both")
 #: The policies that release a session's stale blocks when its window is rewritten.
-RELEASING = ("lru_release", "lifecycle")
+RELEASING = ("lru_release", "lifecycle", *ORACLES)
+_LIFECYCLE = ("lifecycle", *ORACLES)
+_EARLY = ("lifecycle+early", "lifecycle+both")
+_ORDERED_IDLE = ("lifecycle+order", "lifecycle+both")
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,7 @@ class _Cache:
         self.ids = itertools.count()
         self.now = 0
         self.uses: dict[int, list[int]] = {}
-        if policy == "belady":
+        if policy == "belady" or policy in _ORDERED_IDLE:
             for index, request_hashes in enumerate(hashes):
                 for h in request_hashes:
                     self.uses.setdefault(h, []).append(index)
@@ -92,6 +106,11 @@ class _Cache:
     def _evict_one(self) -> None:
         if self.released:
             victim, _ = self.released.popitem(last=False)
+        elif self.idle and self.policy in _ORDERED_IDLE:
+            victim = max(
+                self.idle, key=lambda b: (self._next_use(self.hash_of[b]), self.depth_of[b])
+            )
+            del self.idle[victim]
         elif self.idle:
             victim, _ = self.idle.popitem(last=False)
         elif not self.order:
@@ -124,7 +143,7 @@ class _Cache:
 
     def finished(self, session: str, finish: str) -> None:
         """The lifecycle policy's signal: how the session's request ended."""
-        if self.policy != "lifecycle":
+        if self.policy not in _LIFECYCLE:
             return
         if finish == "end":
             self.release(session, 0)
@@ -184,13 +203,19 @@ def simulate(
     generated: int = 4,
 ) -> dict[str, float]:
     """Hit rate of ``requests`` under ``policy`` with a pool of ``capacity`` blocks."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    if policy not in POLICIES + ORACLES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES + ORACLES}")
     hashes = [block_hashes(r.tokens, block) for r in requests]
     cache = _Cache(1 << 40 if policy == "infinite" else capacity, policy, hashes, block)
     previous: dict[str, tuple[int, ...]] = {}
+    following: dict[int, int] = {}  # index → the same session's next request (the oracle)
+    last: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        if request.session in last:
+            following[last[request.session]] = index
+        last[request.session] = index
     hit = queries = 0
-    for request, request_hashes in zip(requests, hashes, strict=True):
+    for index, (request, request_hashes) in enumerate(zip(requests, hashes, strict=True)):
         before = previous.get(request.session)
         if policy in RELEASING and before is not None:
             stale = common_prefix_length(before, request.tokens)
@@ -198,6 +223,11 @@ def simulate(
                 cache.release(request.session, stale // block)
         hit += cache.request(request.session, request_hashes, len(request.tokens), generated)
         cache.finished(request.session, request.finish)
+        if policy in _EARLY and index in following:
+            upcoming = requests[following[index]].tokens
+            stale = common_prefix_length(request.tokens, upcoming)
+            if stale < len(request.tokens):
+                cache.release(request.session, stale // block)
         queries += len(request.tokens)
         previous[request.session] = request.tokens
     return {"hit_tokens": hit, "query_tokens": queries, "hit_rate": hit / queries if queries else 0}

@@ -16,9 +16,13 @@ calls, so every call tells the server with ``X-KV-Next-Use`` what an agent would
 Every side sends the same headers; only the plugin with lifecycle on acts on them.
 
 ``--speed 0`` (default) sends one call at a time in time order, so the simulator sees exactly
-the server's order. ``--speed N`` replays the trace's clock N times faster, sessions running
-concurrently (each session's calls in order); the simulator then gets the order in which the
-calls were actually sent, and the blocks in use by overlapping calls make the two differ.
+the server's order; after a burst's last call every scenario pauses alike, long enough for the
+lifecycle's signals to land (without it only the lifecycle scenario would wait there, and the
+scenarios' TTFT would not compare: see the README).
+
+``--speed N`` replays the trace's clock N times faster, sessions running concurrently (each
+session's calls in order); the simulator then gets the order in which the calls were actually
+sent, and the blocks in use by overlapping calls make the two differ.
 
     python benchmarks/lifecycle_replay.py                  # ~6 minutes
     python benchmarks/lifecycle_replay.py --speed 20
@@ -39,6 +43,7 @@ import math
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +72,9 @@ class Scenario:
     lifecycle: bool
     policy: str  # the simulator's
 
+
+#: The pause after a session's last call of a burst, the same in every scenario.
+SETTLE_SECONDS = 0.25
 
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False, policy="lru"),
@@ -98,23 +106,22 @@ class Replayer:
         with self._lock:
             self.sent.append(index)
         headers = next_use(call, self.timing)
-        if not self.scenario.plugin:
+        lifecycle = self.scenario.lifecycle
+        idles = self._idles() if wait_for_signals and lifecycle and call.finish == "stop" else None
+        with jiuwen_hooks.session(call.session) if self.scenario.plugin else nullcontext():
             stream_call(self._client, call, self.side, headers)
-            return
-        idles = self._idles() if wait_for_signals and self._goes_idle(call) else None
-        with jiuwen_hooks.session(call.session):
-            stream_call(self._client, call, self.side, headers)
-        if self.scenario.lifecycle and call.finish == "end":
+        settled = time.monotonic() + SETTLE_SECONDS
+        if lifecycle and call.finish == "end":
             jiuwen_hooks.end_session(call.session)
-            if wait_for_signals:
-                jiuwen_hooks.installed().flush()  # type: ignore[union-attr]
-        if idles is not None:  # the idle signal is sent after the answer: let it land first
-            deadline = time.monotonic() + 10
-            while self._idles() <= idles and time.monotonic() < deadline:
-                time.sleep(0.02)
-
-    def _goes_idle(self, call: Call) -> bool:
-        return self.scenario.lifecycle and call.finish == "stop"
+        if not wait_for_signals or call.finish == "tool_calls":
+            return
+        # A session's burst is over. Every scenario pauses alike here (a model worker that sat
+        # idle starts its next call slower), long enough for the lifecycle's signals to land.
+        if lifecycle and call.finish == "end":
+            jiuwen_hooks.installed().flush()  # type: ignore[union-attr]
+        while idles is not None and self._idles() <= idles and time.monotonic() < settled + 10:
+            time.sleep(0.02)
+        time.sleep(max(0.0, settled - time.monotonic()))
 
     def _idles(self) -> int:
         return self.server.engine_stats().get("idles", 0)

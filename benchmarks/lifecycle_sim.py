@@ -24,12 +24,13 @@ from typing import Any
 from _common import write_json
 from agent_bench import API_KEY, MAX_TOKENS, say, tokenize
 from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
-from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
+from cache_sim import ORACLES, POLICIES, Request, gap_closed, simulate, working_set
 
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
-#: The policies whose share of the LRU → Belady gap is reported.
-CLOSERS = ("lru_release", "lifecycle")
+#: The policies whose share of the LRU → Belady gap is reported (the oracles: what lifecycle
+#: would gain from knowing the next compaction one call ahead, or who comes back first).
+CLOSERS = ("lru_release", "lifecycle", *ORACLES)
 
 
 def traces() -> dict[str, list[Call]]:
@@ -46,7 +47,9 @@ def table(requests: list[Request], pools: list[float]) -> list[dict[str, Any]]:
     rows = []
     for fraction in pools:
         capacity = max(math.ceil(fraction * ws), floor)
-        results = {p: simulate(requests, capacity, p, BLOCK_SIZE, MAX_TOKENS) for p in POLICIES}
+        results = {
+            p: simulate(requests, capacity, p, BLOCK_SIZE, MAX_TOKENS) for p in POLICIES + ORACLES
+        }
         rows.append(
             {
                 "pool": fraction,

@@ -121,6 +121,33 @@ def test_lifecycle_evicts_the_idle_session_before_the_one_in_a_tool_call() -> No
     assert _return_hits("lifecycle", "end") == 3 * B
 
 
+def test_oracles_know_the_next_compaction_and_who_returns_first() -> None:
+    """What lifecycle cannot know, each oracle's own case (both reach Belady there)."""
+    # A's next call rewrites its window, and C needs room before it comes: released only when
+    # the rewrite arrives, A's doomed blocks stay while C evicts B's tail.
+    doomed = [
+        Request("B", seq(1000, 3)),
+        Request("A", seq(0, 6)),
+        Request("C", seq(2000, 8)),
+        Request("A", seq(0, 1) + seq(500, 1)),
+        Request("B", seq(1000, 3)),
+    ]
+    # D and E wait on their users; C squeezes; D's user answers first: FIFO by idle time
+    # evicts D's blocks (idle longest).
+    two_idle = [
+        Request("D", seq(3000, 3), finish="stop"),
+        Request("E", seq(4000, 3), finish="stop"),
+        Request("C", seq(2000, 13)),
+        Request("D", seq(3000, 3)),
+    ]
+    for trace, oracle in ((doomed, "lifecycle+early"), (two_idle, "lifecycle+order")):
+        hits = {
+            p: simulate(trace, 16, p, block=B, generated=1)["hit_tokens"]
+            for p in ("lifecycle", oracle, "lifecycle+both", "belady")
+        }
+        assert hits["lifecycle"] < hits[oracle] == hits["lifecycle+both"] == hits["belady"], hits
+
+
 def test_timed_trace_has_the_same_sessions_on_a_clock() -> None:
     config = TraceConfig(sessions=5, bursts_per_session=2, steps_per_burst=3)
     ordered, timed = generate(config), generate_timed(config)
