@@ -96,6 +96,8 @@ class Replayer:
         self.server, self.scenario, self.timing = server, scenario, timing
         self.side = Side()
         self.sent: list[int] = []
+        #: (call index, TTFT ms, prompt tokens computed), one call at a time only.
+        self.per_call: list[tuple[int, float, int]] = []
         self._lock = threading.Lock()
         self._client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
 
@@ -108,8 +110,13 @@ class Replayer:
         headers = next_use(call, self.timing)
         lifecycle = self.scenario.lifecycle
         idles = self._idles() if wait_for_signals and lifecycle and call.finish == "stop" else None
+        side = self.side
+        prompt, cached, timed = side.prompt_tokens, side.cached_tokens, len(side.ttft)
         with jiuwen_hooks.session(call.session) if self.scenario.plugin else nullcontext():
-            stream_call(self._client, call, self.side, headers)
+            stream_call(self._client, call, side, headers)
+        if wait_for_signals:  # one call at a time: the side's totals moved by this call alone
+            computed = side.prompt_tokens - prompt - (side.cached_tokens - cached)
+            self.per_call.append((index, round(side.ttft[timed] * 1e3, 2), computed))
         settled = time.monotonic() + SETTLE_SECONDS
         if lifecycle and call.finish == "end":
             jiuwen_hooks.end_session(call.session)
@@ -141,6 +148,8 @@ def replay(
         if hook is not None:
             hook.flush()
         replayer.sent.clear()
+        replayer.per_call.clear()
+        replayer.side = Side()
         before = prefix_counters(server)
         started = time.perf_counter()
         if speed <= 0:
@@ -155,6 +164,7 @@ def replay(
         hits, queries = prefix_counters(server)
         summary = replayer.side.summary(hits - before[0], queries - before[1])
         summary["wall_s"] = round(time.perf_counter() - started, 1)
+        summary["calls"] = replayer.per_call
     finally:
         replayer.close()
         if hook is not None:
