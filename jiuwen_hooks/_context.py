@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm_affinity.core.hint import HEADER as RELEASE_HEADER
 
+from . import _state
 from ._options import SessionResolver
 from ._telemetry import logger
 
@@ -47,8 +48,13 @@ class ModelCall:
 
 
 @contextmanager
-def session(session_id: str) -> Iterator[str]:
-    """Run model calls (and compressors) inside this block as session ``session_id``."""
+def session(session_id: str, *, end_on_exit: bool = False) -> Iterator[str]:
+    """Run model calls (and compressors) inside this block as session ``session_id``.
+
+    ``end_on_exit``: the block is the whole session (a task run, a closed conversation), so
+    leaving it, by any path, ends the session as ``jiuwen_hooks.end_session`` does. Off by
+    default: many agents enter ``session()`` once per turn, and a turn's end is no session's.
+    """
     if not isinstance(session_id, str) or not session_id:
         raise ValueError(f"jiuwen_hooks.session() needs a non-empty string, got {session_id!r}")
     token = _current_session.set(session_id)
@@ -56,6 +62,10 @@ def session(session_id: str) -> Iterator[str]:
         yield session_id
     finally:
         _current_session.reset(token)
+        if end_on_exit:
+            hook = _state.installed()
+            if hook is not None:
+                hook.end_session(session_id)
 
 
 def current_session() -> str | None:

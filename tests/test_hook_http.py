@@ -255,6 +255,23 @@ def test_end_session_releases_the_whole_window_once(
     assert len(jiuwen_engine.releases) == 1
 
 
+def test_a_session_block_can_be_the_whole_session(
+    client: Any, jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
+) -> None:
+    """``session(id, end_on_exit=True)`` ends the session when the block is left, even by an
+    exception; a plain ``session()`` block (entered once per turn) never does."""
+    window = system_and_user(2)
+    for session_id, end in (("turn", False), ("task", True)):
+        with pytest.raises(RuntimeError), jiuwen_hooks.session(session_id, end_on_exit=end):
+            client.chat.completions.create(model="m", messages=window)
+            raise RuntimeError("the agent failed")
+    jiuwen_hook.flush()
+    (release,) = jiuwen_engine.releases
+    assert release.headers["x-session-id"] == "task"
+    assert release.body["messages_released_index"] == 0
+    assert jiuwen_hook.stats()["end_session.released"] == 1
+
+
 def test_end_session_without_the_hook_does_nothing() -> None:
     jiuwen_hooks.uninstall()
     jiuwen_hooks.end_session("s")  # no error, no hook
