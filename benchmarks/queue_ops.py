@@ -1,4 +1,4 @@
-"""Queue operation cost: vLLM's own FreeKVCacheBlockQueue vs the three-segment queue.
+"""Queue operation cost: vLLM's own FreeKVCacheBlockQueue vs the segmented queue.
 
 One operation sequence shaped like BlockPool's use (allocate = popleft_n; free a request =
 append_n of its cached blocks in reverse order plus prepend_n of its uncached tail; prefix hit =
@@ -8,8 +8,10 @@ queue and at once on the other, the side going first alternating per operation. 
 calls are timed (their arguments are prepared before), per kind of operation. Without releases
 both queues pop the same blocks (checked once before timing). As in ``BlockPool``, a block has a
 hash when it is appended and none when it is prepended (set outside the timed region, on both
-sides). The cost of ``release()`` (a move from NORMAL to RELEASED), an operation vLLM's queue
-does not have, is timed separately.
+sides). The costs of ``release()`` and ``idle()`` (moves from NORMAL to RELEASED or IDLE),
+operations vLLM's queue does not have, are timed separately, and so are pops through the
+segments when RELEASED and IDLE hold blocks (which vLLM's queue cannot be in: against its pops of
+the same number of cached blocks).
 
     python benchmarks/queue_ops.py [--blocks 8192] [--ops 200000] [--rounds 7]
 """
@@ -146,6 +148,43 @@ def release_cost(n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
+def idle_cost(n: int) -> float:
+    """Seconds per idle() of a queued cached block (NORMAL → IDLE)."""
+    queue, blocks = fresh("segmented", n)
+    popped = queue.popleft_n(n)
+    as_pool_frees(KINDS.index("append_n"), popped)
+    queue.append_n(popped)
+    start = time.perf_counter()
+    for block in blocks:
+        queue.idle(block)
+    return (time.perf_counter() - start) / n
+
+
+def marked_pop_ratio(n: int, take: int = 4, rounds: int = 5) -> float:
+    """``popleft_n(take)`` until empty on a queue of cached blocks, a quarter of them idle and
+    an eighth released (the segment-by-segment path), against vLLM's queue of the same cached
+    blocks: segmented / vLLM seconds, median of ``rounds``."""
+    ratios = []
+    for _ in range(rounds):
+        elapsed = {}
+        for kind in ("vllm", "segmented"):
+            queue, blocks = fresh(kind, n)
+            popped = queue.popleft_n(n)
+            as_pool_frees(KINDS.index("append_n"), popped)
+            queue.append_n(popped)
+            if kind == "segmented":
+                for block in blocks[::4]:
+                    queue.idle(block)
+                for block in blocks[1::8]:
+                    queue.release(block)
+            start = time.perf_counter()
+            while queue.num_free_blocks >= take:
+                queue.popleft_n(take)
+            elapsed[kind] = time.perf_counter() - start
+        ratios.append(elapsed["segmented"] / elapsed["vllm"])
+    return statistics.median(ratios)
+
+
 def fresh(kind: str, n: int) -> tuple[Any, list[Any]]:
     blocks = [KVCacheBlock(i) for i in range(n)]
     queue = FreeKVCacheBlockQueue(blocks) if kind == "vllm" else SegmentedFreeBlockQueue(blocks)
@@ -194,6 +233,8 @@ def main() -> int:
         "ratio_segmented_vs_vllm": round(statistics.median(paired), 3),
         "ratio_per_round": [round(x, 3) for x in paired],
         "release_ns_per_block": round(release_cost(args.blocks) * 1e9, 1),
+        "idle_ns_per_block": round(idle_cost(args.blocks) * 1e9, 1),
+        "popleft_with_idle_and_released_ratio": round(marked_pop_ratio(args.blocks), 3),
     }
     write_json(args.out, result)
     return 0

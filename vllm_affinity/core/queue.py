@@ -164,34 +164,53 @@ class SegmentedFreeBlockQueue:
         return out
 
     def _pop_through_marked(self, n: int, out: list[Block]) -> list[Block]:
-        """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn, by the same
-        loop, and their counts and marks settled per segment, not per block."""
+        """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn (counts settled
+        per segment, not per block), the first one alone when it has enough."""
         released = self._num_marked - self._num_idle
-        sizes = (self._num_free, released, self._num_idle, n)  # in _POP_ORDER; NORMAL: the rest
-        for segment, size in zip(_POP_ORDER, sizes, strict=True):
+        if not self._num_free and released >= n:
+            return self._take(_RELEASED, n, out)
+        for segment, size in (
+            (_FREE, self._num_free),
+            (_RELEASED, released),
+            (_IDLE, self._num_idle),
+            (_NORMAL, n),
+        ):
             take = size if size < n else n
-            if not take:
-                continue
-            head = self._heads[segment]
-            node = head.next_free_block
+            if take:
+                self._take(segment, take, out)
+                n -= take
+                if not n:
+                    break
+        return out
+
+    def _take(self, segment: int, take: int, out: list[Block]) -> list[Block]:
+        """Unlink the first ``take`` blocks of ``segment`` (they exist) onto ``out``."""
+        head = self._heads[segment]
+        node = head.next_free_block
+        if segment in (_FREE, _NORMAL):
             for _ in range(take):
                 out.append(node)
                 nxt = node.next_free_block
                 node.prev_free_block = node.next_free_block = None
                 node = nxt
-            head.next_free_block = node
-            node.prev_free_block = head
-            n -= take
-            if segment == _FREE:
-                self._num_free -= take
-            elif segment != _NORMAL:
-                for block in out[-take:]:
-                    self._mark[block.block_id] = _NORMAL
-                self._num_marked -= take
-                if segment == _IDLE:
-                    self._num_idle -= take
-                else:
-                    self.released_reused += take
+        else:
+            mark = self._mark
+            for _ in range(take):
+                out.append(node)
+                mark[node.block_id] = _NORMAL
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                node = nxt
+        head.next_free_block = node
+        node.prev_free_block = head
+        if segment == _FREE:
+            self._num_free -= take
+        elif segment != _NORMAL:
+            self._num_marked -= take
+            if segment == _IDLE:
+                self._num_idle -= take
+            else:
+                self.released_reused += take
         return out
 
     def remove(self, block: Block) -> None:
