@@ -103,10 +103,14 @@ class IdleSignals:
         self._count = count
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def on_finish(self, session: str, next_use: float | None) -> OnFinish:
-        """The callback for one call of ``session`` (with its ``X-KV-Next-Use``, if any)."""
+    def on_finish(self, session: str, next_use: float | None, named_tool: bool = False) -> OnFinish:
+        """The callback for one call of ``session`` (with its ``X-KV-Next-Use``, if any).
+        ``named_tool``: the request forced a named tool, which vLLM (as OpenAI) reports as
+        ``stop``; it is a tool call all the same."""
 
         def finished(reasons: list[str | None]) -> None:
+            if named_tool:
+                reasons = ["tool_calls" if r == "stop" else r for r in reasons]
             idle = goes_idle(reasons, next_use, self._idle_after)
             source = "hint" if next_use is not None else "finish_reason"
             self._count(f"{'idle' if idle else 'live'}.{source}")

@@ -479,7 +479,9 @@ def _with_lifecycle(
     except NextUseError as exc:
         service.metrics.count_lifecycle("invalid")
         return _hint_error(instance, str(exc))
-    return watched(wrapped(*args, **kwargs), service.idle_signals.on_finish(session, next_use))
+    named_tool = not isinstance(getattr(request, "tool_choice", None), str | None)
+    on_finish = service.idle_signals.on_finish(session, next_use, named_tool)
+    return watched(wrapped(*args, **kwargs), on_finish)
 
 
 async def _hint_error(serving: Any, message: str) -> Any:

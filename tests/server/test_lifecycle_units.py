@@ -131,6 +131,7 @@ def test_idle_signals_send_only_for_idle_sessions_and_never_raise() -> None:
         signals.on_finish("b", None)(["tool_calls"])
         signals.on_finish("c", 30.0)(["tool_calls"])
         signals.on_finish("broken", None)(["stop"])
+        signals.on_finish("named", None, named_tool=True)(["stop"])  # a forced tool call
         await signals.drain()
 
     asyncio.run(run())
@@ -140,7 +141,7 @@ def test_idle_signals_send_only_for_idle_sessions_and_never_raise() -> None:
         ("affinity_session_idle", "broken"),
     ]
     outcomes = ["idle.finish_reason", "live.finish_reason", "idle.hint", "idle.finish_reason"]
-    assert counted == [*outcomes, "failed"]
+    assert counted == [*outcomes, "live.finish_reason", "failed"]
 
 
 def test_a_responses_answer_in_chat_terms() -> None:
