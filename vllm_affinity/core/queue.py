@@ -167,8 +167,11 @@ class SegmentedFreeBlockQueue:
         """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn (counts settled
         per segment, not per block), the first one alone when it has enough."""
         released = self._num_marked - self._num_idle
-        if not self._num_free and released >= n:
-            return self._take(_RELEASED, n, out)
+        if not self._num_free:  # the usual case: the first segment alone has enough
+            if released >= n:
+                return self._take(_RELEASED, n, out)
+            if not released and self._num_idle >= n:
+                return self._take(_IDLE, n, out)
         for segment, size in (
             (_FREE, self._num_free),
             (_RELEASED, released),
