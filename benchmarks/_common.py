@@ -83,15 +83,16 @@ def write_outputs(
     stem: str,
     result: dict[str, Any],
     markdown: str,
-    plot: Any,
+    plot: Any = None,
     **metadata: Any,
 ) -> None:
-    """A benchmark's three files: ``<stem>.json`` (with ``run_metadata``), ``.md`` and ``.png``
-    (``plot(result, path)``); the table is printed too."""
+    """A benchmark's files: ``<stem>.json`` (with ``run_metadata``), ``.md`` and, given
+    ``plot(result, path)``, ``.png``; the table is printed too."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / f"{stem}.json", result, echo=False, **metadata)
     (out / f"{stem}.md").write_text(markdown)
-    plot(result, out / f"{stem}.png")
+    if plot is not None:
+        plot(result, out / f"{stem}.png")
     print(markdown)
-    print(f"wrote {out / stem}.json, .md and .png", file=sys.stderr, flush=True)
+    print(f"wrote {out / stem}.json, .md{', .png' if plot else ''}", file=sys.stderr, flush=True)

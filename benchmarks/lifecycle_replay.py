@@ -44,11 +44,10 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import openai
-from _common import write_json
+from _common import write_outputs
 from agent_bench import (
     API_KEY,
     MAX_TOKENS,
@@ -294,10 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = "lifecycle_replay" + ("_quick" if args.quick else "")
     stem += "_ordered" if args.trace == "ordered" else ""
     stem += f"_speed{args.speed:g}" if args.speed else ""
-    out = Path(args.out)
-    write_json(out / f"{stem}.json", result, echo=False)
-    (out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_outputs(args.out, stem, result, markdown(result))
     return 0
 
 

@@ -18,10 +18,9 @@ import argparse
 import dataclasses
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-from _common import write_json
+from _common import write_outputs
 from agent_bench import API_KEY, MAX_TOKENS, say, tokenize
 from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
 from cache_sim import ORACLES, POLICIES, Request, gap_closed, simulate, working_set
@@ -105,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": table(requests, pools),
         }
         say(f"{name}: simulated")
-    out = Path(args.out)
-    write_json(out / "lifecycle_sim.json", result, echo=False)
-    (out / "lifecycle_sim.md").write_text(markdown(result))
-    print(markdown(result))
+    write_outputs(args.out, "lifecycle_sim", result, markdown(result))
     return 0
 
 

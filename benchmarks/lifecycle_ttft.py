@@ -18,10 +18,9 @@ import dataclasses
 import math
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
-from _common import write_json
+from _common import write_outputs
 from agent_bench import API_KEY, MAX_TOKENS, percentile, prefix_counters, say, tokenize
 from agent_trace import Timing, TraceConfig, generate_timed
 from cache_sim import Request, working_set
@@ -149,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "paired": paired(rounds),
     }
-    out = Path(args.out)
-    write_json(out / "lifecycle_ttft.json", result, echo=False)
-    (out / "lifecycle_ttft.md").write_text(markdown(result))
-    print(markdown(result))
+    write_outputs(args.out, "lifecycle_ttft", result, markdown(result))
     return 0
 
 

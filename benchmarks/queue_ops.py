@@ -136,27 +136,23 @@ def same_pops(ops: list[Op], n: int) -> bool:
     return True
 
 
-def release_cost(n: int) -> float:
-    """Seconds per release() of a queued cached block (NORMAL → RELEASED)."""
-    queue, blocks = fresh("segmented", n)
+def cached_queue(kind: str, n: int) -> tuple[Any, list[Any]]:
+    """A queue of ``n`` blocks, all freed with a hash (NORMAL), as after a burst of requests."""
+    queue, blocks = fresh(kind, n)
     popped = queue.popleft_n(n)
     as_pool_frees(KINDS.index("append_n"), popped)
     queue.append_n(popped)
-    start = time.perf_counter()
-    for block in blocks:
-        queue.release(block)
-    return (time.perf_counter() - start) / n
+    return queue, blocks
 
 
-def idle_cost(n: int) -> float:
-    """Seconds per idle() of a queued cached block (NORMAL → IDLE)."""
-    queue, blocks = fresh("segmented", n)
-    popped = queue.popleft_n(n)
-    as_pool_frees(KINDS.index("append_n"), popped)
-    queue.append_n(popped)
+def move_cost(n: int, method: str) -> float:
+    """Seconds per ``release()`` (NORMAL → RELEASED) or ``idle()`` (NORMAL → IDLE) of a queued
+    cached block."""
+    queue, blocks = cached_queue("segmented", n)
+    move = getattr(queue, method)
     start = time.perf_counter()
     for block in blocks:
-        queue.idle(block)
+        move(block)
     return (time.perf_counter() - start) / n
 
 
@@ -168,10 +164,7 @@ def marked_pop_ratio(n: int, take: int = 4, rounds: int = 5) -> float:
     for _ in range(rounds):
         elapsed = {}
         for kind in ("vllm", "segmented"):
-            queue, blocks = fresh(kind, n)
-            popped = queue.popleft_n(n)
-            as_pool_frees(KINDS.index("append_n"), popped)
-            queue.append_n(popped)
+            queue, blocks = cached_queue(kind, n)
             if kind == "segmented":
                 for block in blocks[::4]:
                     queue.idle(block)
@@ -232,8 +225,8 @@ def main() -> int:
         "total_seconds_median": {k: round(v, 4) for k, v in totals.items()},
         "ratio_segmented_vs_vllm": round(statistics.median(paired), 3),
         "ratio_per_round": [round(x, 3) for x in paired],
-        "release_ns_per_block": round(release_cost(args.blocks) * 1e9, 1),
-        "idle_ns_per_block": round(idle_cost(args.blocks) * 1e9, 1),
+        "release_ns_per_block": round(move_cost(args.blocks, "release") * 1e9, 1),
+        "idle_ns_per_block": round(move_cost(args.blocks, "idle") * 1e9, 1),
         "popleft_with_idle_and_released_ratio": round(marked_pop_ratio(args.blocks), 3),
     }
     write_json(args.out, result)
