@@ -1,6 +1,6 @@
 """vLLM adapter, engine side: thin wrapt patches of small methods plus two ``EngineCore`` utilities.
 
-- ``BlockPool.__init__``: swap in the three-segment queue and attach a ``PoolAffinity``.
+- ``BlockPool.__init__``: swap in the segmented queue and attach a ``PoolAffinity``.
 - ``BlockPool.get_new_blocks``: blocks handed out for new content are held by no session any more.
 - ``KVCacheManager.allocate_slots`` / ``free`` / ``pop_blocks_for_free``: bind a request's blocks
   (prefix hits and new ones) to its session (``session_id``, else ``cache_salt``).
