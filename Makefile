@@ -108,12 +108,13 @@ bench-server: $(MODEL)
 	$(PY) benchmarks/release_latency.py
 
 ## bench-agents: the multi-session agent benchmark, vanilla vs plugin (about 15 minutes), and
-## the session lifecycle in the simulator and on real servers (about 25 minutes)
+## the session lifecycle in the simulator and on real servers (about 20 minutes)
 bench-agents: $(MODEL)
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/lifecycle_sim.py
 	$(PY) benchmarks/lifecycle_replay.py
 	$(PY) benchmarks/lifecycle_replay.py --trace ordered
+	$(PY) benchmarks/lifecycle_ttft.py
 
 ## bench-fleet: two replicas behind nginx, by session vs round-robin, with and without release
 bench-fleet: $(MODEL) nginx
