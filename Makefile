@@ -108,7 +108,7 @@ bench-server: $(MODEL)
 	$(PY) benchmarks/release_latency.py
 
 ## bench-agents: the multi-session agent benchmark, vanilla vs plugin (about 15 minutes), and
-## the session lifecycle in the simulator and on real servers (about 20 minutes)
+## the session lifecycle in the simulator and on real servers (about 12 minutes)
 bench-agents: $(MODEL)
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/lifecycle_sim.py
