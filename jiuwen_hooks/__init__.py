@@ -12,7 +12,7 @@ against the session's previous one. When history was rewritten, the release ride
 """
 
 from ._compressor import compressor
-from ._context import current_session, session
+from ._context import current_session, next_use, session
 from ._hook import Hook
 from ._install import end_session, install, installed, stats, uninstall
 from ._options import Options
@@ -27,6 +27,7 @@ __all__ = [
     "end_session",
     "install",
     "installed",
+    "next_use",
     "session",
     "stats",
     "uninstall",

@@ -9,6 +9,7 @@ among the client's ``default_headers``; a user resolver.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_affinity.core.hint import HEADER as RELEASE_HEADER
+from vllm_affinity.core.lifecycle import HEADER as NEXT_USE_HEADER
 
 from . import _state
 from ._options import SessionResolver
@@ -24,6 +26,7 @@ from ._telemetry import logger
 SESSION_HEADER = "X-Session-ID"
 
 _current_session: ContextVar[str | None] = ContextVar("jiuwen_hooks_session", default=None)
+_next_use: ContextVar[float | None] = ContextVar("jiuwen_hooks_next_use", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,28 @@ def session(session_id: str, *, end_on_exit: bool = False) -> Iterator[str]:
 
 def current_session() -> str | None:
     return _current_session.get()
+
+
+@contextmanager
+def next_use(seconds: float) -> Iterator[float]:
+    """Model calls inside this block tell the server that their session's next call comes about
+    ``seconds`` after each of them ends (``X-KV-Next-Use``): 10 s or more and the server reuses
+    the session's blocks before those of sessions back sooner, less and it keeps them as live.
+    For agents that know, e.g. before a long tool run or a human approval step. Sent only to
+    engines where the hook found the vllm_affinity plugin."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ValueError(f"jiuwen_hooks.next_use() needs seconds, got {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"jiuwen_hooks.next_use() needs finite seconds >= 0, got {seconds!r}")
+    token = _next_use.set(float(seconds))
+    try:
+        yield float(seconds)
+    finally:
+        _next_use.reset(token)
+
+
+def current_next_use() -> float | None:
+    return _next_use.get()
 
 
 def header(headers: Any, name: str) -> str | None:
@@ -124,13 +149,17 @@ def session_headers(
     *,
     release: str | None = None,
     trace: Mapping[str, str] | None = None,
+    next_use: float | None = None,
 ) -> dict[str, Any]:
-    """A copy of the caller's headers with the session (unless it named one) and, for an
-    in-request release, the release header and the trace context that joins the server's span to
-    the release's. The caller's dict is never mutated."""
+    """A copy of the caller's headers with the session (unless it named one), the expected time
+    to the session's next call (``next_use``, unless the caller set it) and, for an in-request
+    release, the release header and the trace context that joins the server's span to the
+    release's. The caller's dict is never mutated."""
     out = dict(headers) if isinstance(headers, Mapping) else {}
     if header(out, SESSION_HEADER) is None:
         out[SESSION_HEADER] = session_id
+    if next_use is not None and header(out, NEXT_USE_HEADER) is None:
+        out[NEXT_USE_HEADER] = f"{next_use:g}"
     if release is not None:
         out[RELEASE_HEADER] = release
         for name, value in (trace or {}).items():

@@ -30,6 +30,7 @@ from . import _state
 from ._compressor import compressor_wrapper, parse_dotted
 from ._context import (
     ModelCall,
+    current_next_use,
     current_session,
     hashed_with_salt,
     resolve_session,
@@ -159,9 +160,13 @@ class Hook:
             hint = release_header(due.release)
             trace_headers = self._record_in_request(due)
             plan = None
+        # the plugin's lifecycle hint, where the agent gave one (``next_use()``)
+        next_use = current_next_use() if state is EngineState.IN_REQUEST else None
         headers = None
-        if self.options.inject_session or hint is not None:  # a hint needs its session
-            headers = session_headers(call.headers, session_id, release=hint, trace=trace_headers)
+        if self.options.inject_session or hint is not None or next_use is not None:
+            headers = session_headers(  # a hint needs its session
+                call.headers, session_id, release=hint, trace=trace_headers, next_use=next_use
+            )
         return PreparedCall(headers, extra_body, plan, decision.wait_for)
 
     def _target(self, call: ModelCall, extra_body: Any) -> EngineTarget:

@@ -181,3 +181,32 @@ def test_compressor_release_is_posted_and_the_next_call_carries_the_hint(
     plugin_call([*window, {"role": "user", "content": "go on"}])
     assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [2]
     assert plugin_engine.hints == [None, "messages_released_index=2"]
+
+
+def test_next_use_rides_on_calls_to_the_plugin_only(
+    plugin_engine: LocalEngine,
+    strict_engine: LocalEngine,
+    jiuwen_hook: jiuwen_hooks.Hook,
+    plugin_call: Caller,
+    strict_call: Caller,
+) -> None:
+    """``next_use()``: calls inside the block carry ``X-KV-Next-Use`` to an engine where the
+    hook found the plugin, never to another server; a value the caller set wins."""
+    window = system_and_user(3)
+    plugin_call(window)
+    assert learned(jiuwen_hook, plugin_engine) == "in_request"
+    with jiuwen_hooks.next_use(300):
+        plugin_call(window)
+        plugin_call(window, extra_headers={"X-KV-Next-Use": "5"})
+        strict_call(window)
+        strict_call(window)
+    plugin_call(window)
+    sent = [c.headers.get("x-kv-next-use") for c in plugin_engine.chats]
+    assert sent == [None, "300", "5", None]
+    assert all("x-kv-next-use" not in c.headers for c in strict_engine.chats)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "300", True])
+def test_next_use_refuses_what_is_not_seconds(bad: Any) -> None:
+    with pytest.raises(ValueError, match="next_use"), jiuwen_hooks.next_use(bad):
+        pass
