@@ -370,21 +370,19 @@ def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
         request.cache_salt = None
 
 
-def pin_session_to_engine(request: Any, raw_request: Any) -> None:
-    """On a data-parallel server, note the engine that serves the request's session (its
-    ``session_id``, ``X-Session-ID`` or ``cache_salt``) for ``_get_data_parallel_rank``: the
-    session's cache and its releases stay on one engine (see ``core/placement.py``)."""
-    service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
-    engines = service.data_parallel_size if service is not None else 1
-    if engines < 2:
-        return
-    session = (
-        getattr(request, "session_id", None)
-        or raw_request.headers.get(SESSION_HEADER)
-        or getattr(request, "cache_salt", None)
-    )
-    if session:
-        raw_request.state.jiuwen_engine_rank = engine_rank(session, engines)
+def session_key(serving: Any, request: Any, raw_request: Any) -> str | None:
+    """The key the engine binds a request's blocks under: vLLM's own session id (the body's
+    ``session_id``, ``X-Session-ID``, ``vllm_xargs``), else the cache salt."""
+    return serving._get_session_id(request, raw_request) or getattr(request, "cache_salt", None)
+
+
+def pin_session_to_engine(service: ReleaseService, session: str, raw_request: Any) -> None:
+    """On a data-parallel server, note the engine that serves ``session`` for
+    ``_get_data_parallel_rank``: the session's cache and its releases stay on one engine (see
+    ``core/placement.py``)."""
+    if service.data_parallel_size > 1:
+        rank = engine_rank(session, service.data_parallel_size)
+        raw_request.state.jiuwen_engine_rank = rank
 
 
 def apply_release_hint(request: Any, raw_request: Any) -> ReleaseHint | None:
@@ -420,8 +418,17 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         request = args[0] if args else kwargs["request"]
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         apply_cache_sharing(request, settings.allow_cache_sharing)
-        if settings.dp_session_affinity:
-            pin_session_to_engine(request, raw_request)
+        service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
+        session = session_key(instance, request, raw_request) if service is not None else None
+        next_use = None
+        if settings.lifecycle and session:  # validated before anything is applied or counted
+            try:
+                next_use = read_next_use(raw_request)
+            except NextUseError as exc:
+                service.metrics.count_lifecycle("invalid")
+                return _hint_error(instance, str(exc))
+        if settings.dp_session_affinity and session:
+            pin_session_to_engine(service, session, raw_request)
         try:
             hint = apply_release_hint(request, raw_request)
         except HintError as exc:
@@ -430,8 +437,10 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         if hint is not None:
             count_hint("accepted")
             _hint_span(raw_request, hint)
-        if settings.lifecycle:
-            return _with_lifecycle(wrapped, instance, args, kwargs, request, raw_request)
+        if settings.lifecycle and session:
+            named_tool = not isinstance(getattr(request, "tool_choice", None), str | None)
+            on_finish = service.idle_signals.on_finish(session, next_use, named_tool)
+            return watched(wrapped(*args, **kwargs), on_finish)
         return wrapped(*args, **kwargs)
 
     def session_rank(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -464,24 +473,10 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
     _wrapped_serving = True
 
 
-def _with_lifecycle(
-    wrapped: Any, instance: Any, args: Any, kwargs: Any, request: Any, raw_request: Any
-) -> Any:
-    """The serving call, watched for how it ends when it belongs to a session (the key the
-    engine binds its blocks under: vLLM's session id, else the cache salt)."""
-    service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
-    session = instance._get_session_id(request, raw_request) or request.cache_salt
-    if service is None or not session:
-        return wrapped(*args, **kwargs)
+def read_next_use(raw_request: Any) -> float | None:
+    """The ``X-KV-Next-Use`` seconds, if sent. Raises ``NextUseError`` for a malformed value."""
     value = raw_request.headers.get(NEXT_USE_HEADER)
-    try:
-        next_use = None if value is None else parse_next_use(value)
-    except NextUseError as exc:
-        service.metrics.count_lifecycle("invalid")
-        return _hint_error(instance, str(exc))
-    named_tool = not isinstance(getattr(request, "tool_choice", None), str | None)
-    on_finish = service.idle_signals.on_finish(session, next_use, named_tool)
-    return watched(wrapped(*args, **kwargs), on_finish)
+    return None if value is None else parse_next_use(value)
 
 
 async def _hint_error(serving: Any, message: str) -> Any:

@@ -3,6 +3,7 @@ process, which command-line flags of the plugin would not)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,8 +78,8 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name}={raw!r}: expected seconds (a non-negative number)")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={raw!r}: expected seconds (a finite, non-negative number)")
     return value
 
 

@@ -142,8 +142,14 @@ def test_a_malformed_next_use_is_a_400_and_serves_nothing(
 ) -> None:
     server = vllm_affinity_server
     counts, served = lifecycle(server), server.metric("vllm:request_success_total")
+    hints = server.affinity_stats()["api_server"].get("hints.accepted", 0)
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    headers = {**server.headers(), "X-Session-ID": "bad-hint", "X-KV-Next-Use": value}
+    headers = {
+        **server.headers(),
+        "X-Session-ID": "bad-hint",
+        "X-KV-Next-Use": value,
+        "X-KV-Release": "messages_released_index=0",  # valid, but the request is refused first
+    }
     response = httpx.post(
         server.base_url + "/chat/completions", json=body, headers=headers, timeout=60
     )
@@ -152,6 +158,7 @@ def test_a_malformed_next_use_is_a_400_and_serves_nothing(
     assert "X-KV-Next-Use" in error["message"] and error["code"] == 400
     assert lifecycle(server).get("invalid", 0) == counts.get("invalid", 0) + 1
     assert server.metric("vllm:request_success_total") == served
+    assert server.affinity_stats()["api_server"].get("hints.accepted", 0) == hints
 
 
 def test_vanilla_vllm_ignores_the_hint(vllm_vanilla_server: VLLMServer) -> None:

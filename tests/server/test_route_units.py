@@ -67,20 +67,35 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings.from_env()
 
 
-def test_settings_release_on_divergence() -> None:
-    assert Settings.from_env({}).release_on_divergence is False
-    env = {"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "true"}
-    assert Settings.from_env(env).release_on_divergence is True
-    with pytest.raises(ValueError, match="VLLM_AFFINITY_RELEASE_ON_DIVERGENCE"):
-        Settings.from_env({"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "maybe"})
+@pytest.mark.parametrize(
+    ("variable", "field", "default"),
+    [
+        ("VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", "release_on_divergence", False),
+        ("VLLM_AFFINITY_DP_SESSION_AFFINITY", "dp_session_affinity", True),
+        ("VLLM_AFFINITY_LIFECYCLE", "lifecycle", True),
+    ],
+)
+def test_settings_flags(variable: str, field: str, default: bool) -> None:
+    assert getattr(Settings.from_env({}), field) is default
+    flipped = "off" if default else "true"
+    assert getattr(Settings.from_env({variable: flipped}), field) is (not default)
+    with pytest.raises(ValueError, match=variable):
+        Settings.from_env({variable: "sometimes"})
 
 
-def test_settings_dp_session_affinity() -> None:
-    assert Settings.from_env({}).dp_session_affinity is True
-    env = {"VLLM_AFFINITY_DP_SESSION_AFFINITY": "off"}
-    assert Settings.from_env(env).dp_session_affinity is False
-    with pytest.raises(ValueError, match="VLLM_AFFINITY_DP_SESSION_AFFINITY"):
-        Settings.from_env({"VLLM_AFFINITY_DP_SESSION_AFFINITY": "sometimes"})
+@pytest.mark.parametrize(
+    ("variable", "field", "default"),
+    [
+        ("VLLM_AFFINITY_STATS_INTERVAL", "stats_interval", 2.0),
+        ("VLLM_AFFINITY_IDLE_AFTER_S", "idle_after", 10.0),
+    ],
+)
+def test_settings_seconds(variable: str, field: str, default: float) -> None:
+    assert getattr(Settings.from_env({}), field) == default
+    assert getattr(Settings.from_env({variable: "0.5"}), field) == 0.5
+    for bad in ("soon", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match=variable):
+            Settings.from_env({variable: bad})
 
 
 def test_engine_rank_is_stable_in_range_and_spreads_sessions() -> None:

@@ -164,18 +164,21 @@ class SegmentedFreeBlockQueue:
         return out
 
     def _pop_through_marked(self, n: int, out: list[Block]) -> list[Block]:
-        """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn (counts settled
-        per segment, not per block), the first one alone when it has enough."""
-        released = self._num_marked - self._num_idle
+        """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn, its count
+        settled once, not per block; the first one alone when it has enough."""
+        num_idle = self._num_idle
+        released = self._num_marked - num_idle
         if not self._num_free:  # the usual case: the first segment alone has enough
             if released >= n:
-                return self._take(_RELEASED, n, out)
-            if not released and self._num_idle >= n:
-                return self._take(_IDLE, n, out)
+                self._take(_RELEASED, n, out)
+                return out
+            if not released and num_idle >= n:
+                self._take(_IDLE, n, out)
+                return out
         for segment, size in (
             (_FREE, self._num_free),
             (_RELEASED, released),
-            (_IDLE, self._num_idle),
+            (_IDLE, num_idle),
             (_NORMAL, n),
         ):
             take = size if size < n else n
@@ -186,35 +189,28 @@ class SegmentedFreeBlockQueue:
                     break
         return out
 
-    def _take(self, segment: int, take: int, out: list[Block]) -> list[Block]:
+    def _take(self, segment: int, take: int, out: list[Block]) -> None:
         """Unlink the first ``take`` blocks of ``segment`` (they exist) onto ``out``."""
         head = self._heads[segment]
         node = head.next_free_block
-        if segment in (_FREE, _NORMAL):
-            for _ in range(take):
-                out.append(node)
-                nxt = node.next_free_block
-                node.prev_free_block = node.next_free_block = None
-                node = nxt
-        else:
-            mark = self._mark
-            for _ in range(take):
-                out.append(node)
-                mark[node.block_id] = _NORMAL
-                nxt = node.next_free_block
-                node.prev_free_block = node.next_free_block = None
-                node = nxt
+        for _ in range(take):
+            out.append(node)
+            nxt = node.next_free_block
+            node.prev_free_block = node.next_free_block = None
+            node = nxt
         head.next_free_block = node
         node.prev_free_block = head
         if segment == _FREE:
             self._num_free -= take
         elif segment != _NORMAL:
+            mark = self._mark
+            for block in out[-take:]:
+                mark[block.block_id] = _NORMAL
             self._num_marked -= take
             if segment == _IDLE:
                 self._num_idle -= take
             else:
                 self.released_reused += take
-        return out
 
     def remove(self, block: Block) -> None:
         """Take a block out of the queue (a prefix hit): it is live again, not released."""
