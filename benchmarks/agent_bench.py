@@ -13,8 +13,8 @@ The two sides alternate which goes first, call by call.
 
 Measured per side: token hit rate (``/metrics`` deltas), TTFT p50/p90/p99 (first streamed
 chunk), prompt tokens actually computed, end-to-end time. The offline simulator
-(``cache_sim.py``) replays the same tokens under infinite cache, LRU, LRU + release and Belady,
-and its LRU is compared with the real vanilla hit rate.
+(``vllm_affinity/replay/simulator.py``) replays the same tokens under infinite cache, LRU,
+LRU + release and Belady, and its LRU is compared with the real vanilla hit rate.
 
     python benchmarks/agent_bench.py                       # full sweep (~15 min on 2 cores)
     python benchmarks/agent_bench.py --quick               # the pipeline check CI runs
@@ -39,11 +39,11 @@ from typing import Any
 
 import httpx
 import openai
-from _common import write_outputs
 from agent_trace import Call, TraceConfig, describe, generate
-from cache_sim import Request, gap_closed, simulate, working_set
 
 import jiuwen_hooks
+from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.simulator import Request, gap_closed, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
 from vllm_affinity.tiny_model import build as build_model
 

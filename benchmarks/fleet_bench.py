@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import openai
-from _common import write_outputs
 from agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, trace_of
 from agent_trace import Call, TraceConfig, describe
-from cache_sim import Request, simulate, working_set
 
 import jiuwen_hooks
+from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.simulator import Request, simulate, working_set
 from vllm_affinity.router import NginxRouter, Policy
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer, free_port
 from vllm_affinity.tiny_model import build as build_model

@@ -19,11 +19,11 @@ import time
 from typing import Any
 
 import openai
-from _common import write_json
 
 import jiuwen_hooks
 from jiuwen_hooks._context import ModelCall
 from jiuwen_hooks.testing import LocalEngine
+from vllm_affinity.replay.output import write_json
 
 APIS = ("chat", "responses")
 

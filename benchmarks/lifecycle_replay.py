@@ -47,7 +47,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import openai
-from _common import write_outputs
 from agent_bench import (
     API_KEY,
     MAX_TOKENS,
@@ -58,9 +57,10 @@ from agent_bench import (
     tokenize,
 )
 from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
-from cache_sim import Request, simulate, working_set
 
 import jiuwen_hooks
+from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.simulator import Request, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
 

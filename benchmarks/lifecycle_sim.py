@@ -3,9 +3,9 @@ closes, on the ordered agent trace and on timed traces (tool calls of seconds, u
 seconds: ``agent_trace.Timing``).
 
 Every window is tokenised with vLLM's own renderer (``/tokenize`` of a real server), then
-``cache_sim.simulate`` replays the trace under every policy at several pool sizes (fractions of
-the trace's working set). ``lifecycle`` is what the plugin runs (its IDLE segment);
-``benchmarks/lifecycle_replay.py`` checks the simulator against real servers.
+``vllm_affinity.replay.simulator.simulate`` replays the trace under every policy at several pool
+sizes (fractions of the trace's working set). ``lifecycle`` is what the plugin runs (its IDLE
+segment); ``benchmarks/lifecycle_replay.py`` checks the simulator against real servers.
 
     python benchmarks/lifecycle_sim.py            # ~1 minute (one server start to tokenise)
 
@@ -20,11 +20,18 @@ import math
 import sys
 from typing import Any
 
-from _common import write_outputs
 from agent_bench import API_KEY, MAX_TOKENS, say, tokenize
 from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
-from cache_sim import ORACLES, POLICIES, Request, gap_closed, simulate, working_set
 
+from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.simulator import (
+    ORACLES,
+    POLICIES,
+    Request,
+    gap_closed,
+    simulate,
+    working_set,
+)
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
 #: The policies whose share of the LRU → Belady gap is reported (the oracles: what lifecycle

@@ -20,13 +20,13 @@ import statistics
 import sys
 from typing import Any
 
-from _common import write_outputs
 from agent_bench import API_KEY, MAX_TOKENS, percentile, prefix_counters, say, tokenize
 from agent_trace import Timing, TraceConfig, generate_timed
-from cache_sim import Request, working_set
 from lifecycle_replay import SCENARIOS, Replayer
 
 import jiuwen_hooks
+from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.simulator import Request, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
 SIDES = tuple(s for s in SCENARIOS if s.name in ("release", "lifecycle"))

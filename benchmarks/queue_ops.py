@@ -26,10 +26,10 @@ import sys
 import time
 from typing import Any
 
-from _common import write_json
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, FreeKVCacheBlockQueue, KVCacheBlock
 
 from vllm_affinity.core import SegmentedFreeBlockQueue
+from vllm_affinity.replay.output import write_json
 
 Op = tuple[str, Any]
 

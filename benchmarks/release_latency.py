@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 import openai
-from _common import write_json
 
+from vllm_affinity.replay.output import write_json
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 TARGETS = {"1k": 1_000, "8k": 8_000, "32k": 31_000}

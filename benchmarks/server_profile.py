@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import write_json
 from server_throughput import VARIANTS, one_round
 
+from vllm_affinity.replay.output import write_json
 from vllm_affinity.testing import VLLMServer
 
 PROCESSES = {"engine_core": "VLLM::EngineCore", "worker": "VLLM::Worker", "api_server": "-m"}

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
-from _common import write_json
 
+from vllm_affinity.replay.output import write_json
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 

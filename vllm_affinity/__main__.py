@@ -8,6 +8,9 @@ Starts vLLM's OpenAI-compatible server with both plugin halves enabled (``VLLM_P
     python -m vllm_affinity build-model            # the small local model (prints its folder)
     python -m vllm_affinity nginx-config --upstream 10.0.0.1:8000 --upstream 10.0.0.2:8000
                                                    # nginx routing sessions to replicas
+    python -m vllm_affinity bench replay --format F --base-url URL --model NAME [...]
+                                                   # replay an agent trace, with and without
+                                                   # the hook (also: vllm-affinity bench ...)
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         return build_main(argv[1:])
     if argv[:1] == ["nginx-config"]:
         return nginx_config(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .replay.cli import main as bench_main
+
+        return bench_main(argv[1:])
     print(USAGE)
     return 2
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 from agent_trace import PLACEHOLDER, TraceConfig, describe, generate, generate_timed
-from cache_sim import POLICIES, Request, gap_closed, simulate, working_set
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from vllm_affinity.replay.simulator import POLICIES, Request, gap_closed, simulate, working_set
 
 B = 4  # small blocks keep the scenarios readable
 

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: where and how results are written, with what produced them."""
+"""Where and how benchmark results are written, with what produced them (the benchmarks and
+``vllm-affinity bench replay`` alike)."""
 
 from __future__ import annotations
 

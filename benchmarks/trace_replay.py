@@ -1,0 +1,197 @@
+"""Real traces on this machine: vanilla vs release vs release + lifecycle, per pool size.
+
+For each trace (``--traces format=path,...``; ``agentinfer`` alone takes the installed package's
+trace), the prompts are rendered once by vLLM's own template to size the pools (fractions of
+the trace's working set, ``--pools``); then for each pool every scenario gets a fresh server of
+that size and replays the trace with ``vllm_affinity.replay`` (what ``vllm-affinity bench
+replay`` runs), the simulator beside it:
+
+- ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
+- ``release``: the plugin with its lifecycle off, the hook releasing in the request (LRU +
+  release);
+- ``lifecycle``: the plugin as shipped, the hook also telling each session's next call time
+  from the trace (``X-KV-Next-Use``) (lifecycle).
+
+    python benchmarks/trace_replay.py --traces agentinfer,mooncake=/path/conversation_trace.jsonl
+    python benchmarks/trace_replay.py --quick        # CI: the synthetic trace in all 4 formats
+
+Output: ``<out>/trace_replay[_quick].json`` and ``.md`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from vllm_affinity.replay.compare import say, simulated, summarize
+from vllm_affinity.replay.formats import (
+    FORMATS,
+    WRITERS,
+    agentinfer_trace_path,
+    read_trace,
+)
+from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.runner import ReplayOptions, Target, run, windows
+from vllm_affinity.replay.simulator import Request, working_set
+from vllm_affinity.replay.synthetic import SyntheticConfig, generate
+from vllm_affinity.replay.trace import Trace
+from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
+
+API_KEY = "bench"
+MAX_OUTPUT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    plugin: bool
+    lifecycle: bool
+
+
+SCENARIOS = (
+    Scenario("vanilla", plugin=False, lifecycle=False),
+    Scenario("release", plugin=True, lifecycle=False),
+    Scenario("lifecycle", plugin=True, lifecycle=True),
+)
+
+
+def working_set_blocks(trace: Trace, options: ReplayOptions) -> tuple[int, int]:
+    """(working set, longest prompt) in blocks, from the prompts vLLM renders."""
+    with VLLMServer(plugin=False, num_blocks=256, api_key=API_KEY, max_model_len=8000) as server:
+        from vllm_affinity.replay.compare import tokenize
+
+        tokens = tokenize(server.root_url, options, windows(trace, options, nonce=0))
+    assert tokens is not None, "the server did not tokenize"
+    requests = [Request(r.session, t) for r, t in zip(trace.requests, tokens, strict=True)]
+    longest = max(-(-(len(t) + MAX_OUTPUT) // BLOCK_SIZE) for t in tokens)
+    return working_set(requests, BLOCK_SIZE), longest
+
+
+def run_scenario(
+    trace: Trace, scenario: Scenario, blocks: int, options: ReplayOptions, cores: str
+) -> dict[str, Any]:
+    env = {"VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false"}
+    options = dataclasses.replace(options, next_use_hint=scenario.lifecycle)
+    with VLLMServer(
+        plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
+        max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
+    ) as server:  # fmt: skip
+        target = Target(scenario.name, server.base_url, hooked=scenario.plugin)
+        result = run(trace, target, options, nonce=1)
+        summary = summarize(result)
+        check = simulated(trace, options, result, summary, nonce=1)
+    if check is not None:
+        summary["simulator"] = check
+    say(
+        f"    {scenario.name}: hit rate {summary['hit_rate']} (simulator "
+        f"{(check or {}).get('hit_rate')}), computed {summary['computed_tokens']}, "
+        f"TTFT p50/p90 {summary['ttft_ms_p50']}/{summary['ttft_ms_p90']} ms"
+    )
+    return summary
+
+
+def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+    options = ReplayOptions(
+        model=SERVED_NAME, api_key=API_KEY, scale=args.scale, speed=args.speed,
+        concurrency=args.concurrency, max_output_tokens=MAX_OUTPUT, progress=not args.quiet,
+    )  # fmt: skip
+    say(f"{trace.format}: {trace.describe()}")
+    working, longest = working_set_blocks(trace, options)
+    row: dict[str, Any] = {
+        "trace": trace.describe(),
+        "working_set_blocks": working,
+        "pools": [],
+    }
+    for fraction in (float(f) for f in args.pools.split(",")):
+        blocks = max(math.ceil(fraction * working), longest + 1) + 1
+        say(f"  pool {fraction}x of {working} blocks: {blocks} blocks")
+        pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
+        for scenario in SCENARIOS:
+            pool["scenarios"][scenario.name] = run_scenario(
+                trace, scenario, blocks, options, args.cores
+            )
+        row["pools"].append(pool)
+    return row
+
+
+def traces(spec: str, args: argparse.Namespace, workdir: Path) -> list[Trace]:
+    out = []
+    for item in spec.split(","):
+        fmt, _, path = item.partition("=")
+        if fmt == "synthetic":  # the project's own trace, written and read in every format
+            trace = generate(SyntheticConfig(sessions=3, calls_per_session=8))
+            for name in FORMATS:
+                WRITERS[name](trace, workdir / f"synthetic.{name}.jsonl")
+                out.append(read_trace(workdir / f"synthetic.{name}.jsonl", name))
+            continue
+        if fmt not in FORMATS:
+            raise SystemExit(f"unknown format {fmt!r}; expected one of {FORMATS}")
+        trace = read_trace(path or agentinfer_trace_path(), fmt)
+        out.append(trace.head(args.limit) if args.limit else trace)
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"Scale {result['scale']:g}, speed {result['speed'] or 'one call at a time'}, "
+        f"outputs capped at {MAX_OUTPUT} tokens.",
+        "",
+        "| trace | calls | pool | scenario | hit rate | simulator | infinite / Belady "
+        "| computed tokens | vs vanilla | TTFT p50 / p90 (ms) | releases |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["traces"]:
+        t = row["trace"]
+        for pool in row["pools"]:
+            base = pool["scenarios"]["vanilla"]["computed_tokens"] or 0
+            for name, s in pool["scenarios"].items():
+                sim = s.get("simulator") or {}
+                rel = s.get("releases") or {}
+                ratio = f"{s['computed_tokens'] / base:.3f}" if base else "-"
+                lines.append(
+                    f"| {t['format']} | {t['requests']} | {pool['pool']}x | {name} "
+                    f"| {s['hit_rate']:.3f} | {sim.get('hit_rate', float('nan')):.3f} "
+                    f"| {sim.get('infinite', float('nan')):.3f} / "
+                    f"{sim.get('belady', float('nan')):.3f} "
+                    f"| {s['computed_tokens']:,} | {ratio} "
+                    f"| {s['ttft_ms_p50']:.0f} / {s['ttft_ms_p90']:.0f} "
+                    f"| {rel.get('total', '-')} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", default="agentinfer", help="format=path,... ")
+    parser.add_argument("--pools", default="0.25,0.5,1.0")
+    parser.add_argument("--scale", type=float, default=1 / 16)
+    parser.add_argument("--speed", type=float, default=0.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--limit", type=int, help="the first N calls of each trace")
+    parser.add_argument("--cores", default="0", help="the model worker's cores")
+    parser.add_argument("--quick", action="store_true", help="CI: synthetic, 4 formats, 0.5x")
+    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", help="file stem (default trace_replay[_quick])")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.traces, args.pools, args.scale = "synthetic", "0.5", 0.25
+    with tempfile.TemporaryDirectory() as workdir:
+        loaded = traces(args.traces, args, Path(workdir))
+        result = {
+            "scale": args.scale,
+            "speed": args.speed,
+            "traces": [replay_trace(t, args) for t in loaded],
+        }
+    stem = args.name or ("trace_replay_quick" if args.quick else "trace_replay")
+    write_outputs(args.out, stem, result, markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

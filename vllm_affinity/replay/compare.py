@@ -1,0 +1,227 @@
+"""A comparison: the same trace on each side, in rounds, summarised, with the simulator beside.
+
+Sides run one after another (alternating which goes first, round by round), each run with
+prompt content of its own, so one server can host both sides without one warming the other's
+cache. Where the server renders prompts (``/tokenize``) and says its pool size (vLLM's
+``cache_config_info``), the simulator replays the exact tokens in the order they were sent,
+under the policy the side ran (LRU without the plugin, LRU + release with it, + lifecycle when
+the run sent next-use hints), and gives the infinite-cache and Belady bounds for that pool.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, run, windows
+from .simulator import CapacityError, Request, simulate
+from .trace import Trace, next_call_gaps
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 1)
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    ok = [c for c in result.calls if c.error is None]
+    prompt = sum(c.prompt_tokens for c in ok)
+    cached = sum(c.cached_tokens or 0 for c in ok)
+    reported = any(c.cached_tokens is not None for c in ok)
+    ttft = [c.ttft for c in ok if c.ttft is not None]
+    spans: dict[str, list[float]] = {}
+    for c in result.calls:
+        first, last = spans.get(c.session, [c.sent, c.done])
+        spans[c.session] = [min(first, c.sent), max(last, c.done)]
+    completion = [last - first for first, last in spans.values()]
+    hook = result.hook
+    summary: dict[str, Any] = {
+        "side": result.target.name,
+        "hooked": result.target.hooked,
+        "calls": len(result.calls),
+        "errors": len(result.calls) - len(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached if reported else None,
+        "computed_tokens": prompt - cached if reported else None,
+        "hit_rate": round(cached / prompt, 4) if reported and prompt else None,
+        "server_hit_rate": round(result.server_hits / result.server_queries, 4)
+        if result.server_queries
+        else None,
+        "ttft_ms_p50": _ms(percentile(ttft, 50)),
+        "ttft_ms_p90": _ms(percentile(ttft, 90)),
+        "ttft_ms_p99": _ms(percentile(ttft, 99)),
+        "session_s_p50": round(percentile(completion, 50) or 0.0, 2),
+        "session_s_p90": round(percentile(completion, 90) or 0.0, 2),
+        "wall_s": round(result.wall_s, 1),
+    }
+    if result.target.hooked:
+        summary["engine_state"] = hook.get("engine_state")
+        summary["releases"] = {
+            "in_request": hook.get("releases.in_request", 0),
+            "post": hook.get("releases.ok", 0),
+            "failed": sum(
+                v for k, v in hook.items() if k.startswith("releases.") and k.endswith("failed")
+            ),
+            "total": hook.get("releases.total", 0),
+        }
+    errors = [c.error for c in result.calls if c.error]
+    if errors:
+        summary["first_error"] = errors[0]
+    return summary
+
+
+def pool_of(root_url: str, api_key: str) -> tuple[int, int] | None:
+    """(KV blocks, block size) from vLLM's ``cache_config_info`` metric, where it answers."""
+    try:
+        text = httpx.get(
+            root_url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
+        ).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            try:
+                return int(labels["num_gpu_blocks"]), int(labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
+def tokenize(
+    root_url: str, options: ReplayOptions, prompts: Sequence[list[dict[str, Any]]]
+) -> list[tuple[int, ...]] | None:
+    """Each window's exact prompt tokens, rendered by the server (``/tokenize``), or None."""
+    out = []
+    headers = {"Authorization": f"Bearer {options.api_key}"}
+    with httpx.Client(timeout=60, headers=headers) as client:
+        for window in prompts:
+            body = {"model": options.model, "messages": window, "add_generation_prompt": True}
+            try:
+                response = client.post(root_url + "/tokenize", json=body)
+            except httpx.HTTPError:
+                return None
+            if response.status_code != 200:
+                return None
+            out.append(tuple(response.json()["tokens"]))
+    return out
+
+
+def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
+    """How the plugin sees each call end, as the simulator's ``finish``."""
+    out = []
+    for gap in next_call_gaps(trace.requests):
+        if gap is None:
+            out.append("end" if options.end_sessions else "stop")
+        elif not options.next_use_hint:
+            out.append("tool_calls")  # no signal: the plugin keeps the session live
+        else:
+            out.append("stop" if gap / max(options.speed, 1.0) >= IDLE_AFTER_S else "tool_calls")
+    return out
+
+
+def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
+    if summary.get("engine_state") not in ("in_request", "post"):
+        return "lru"  # no plugin answered: vanilla's policy
+    return "lifecycle" if options.next_use_hint or options.end_sessions else "lru_release"
+
+
+def simulated(
+    trace: Trace,
+    options: ReplayOptions,
+    result: RunResult,
+    summary: dict[str, Any],
+    nonce: int,
+) -> dict[str, Any] | None:
+    """The simulator on this run's tokens, in its send order, with the server's pool."""
+    target = result.target
+    pool = pool_of(target.root_url, options.api_key)
+    tokens = tokenize(target.root_url, options, windows(trace, options, nonce))
+    if pool is None or tokens is None:
+        return None
+    capacity, block = pool
+    finish = finishes(trace, options)
+    requests = [
+        Request(r.session, t, f, r.at)
+        for r, t, f in zip(trace.requests, tokens, finish, strict=True)
+    ]
+    in_order = [requests[i] for i in result.sent_order()]
+    generated = options.max_output_tokens or 1
+    policy = policy_of(summary, options)
+    out: dict[str, Any] = {"policy": policy, "pool_blocks": capacity, "block_size": block}
+    for name in (policy, "infinite", "belady"):
+        try:
+            rate = simulate(in_order, capacity, name, block, generated)["hit_rate"]
+        except CapacityError as exc:
+            return {"error": str(exc)}
+        out["hit_rate" if name == policy else name] = round(rate, 4)
+    real = summary["server_hit_rate"] or summary["hit_rate"]
+    if real is not None:
+        out["sim_minus_real"] = round(out["hit_rate"] - real, 4)
+    return out
+
+
+def compare(
+    trace: Trace,
+    targets: Sequence[Target],
+    options: ReplayOptions,
+    rounds: int = 1,
+    simulate_runs: bool = True,
+) -> dict[str, Any]:
+    """Every side once per round (first side alternating), summarised; see the module."""
+    runs: list[dict[str, Any]] = []
+    nonce = 0
+    for round_index in range(rounds):
+        order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
+        for target in order:
+            nonce += 1
+            say(f"round {round_index + 1}/{rounds}: {target.name} ({target.base_url}) ...")
+            result = run(trace, target, options, nonce)
+            summary = summarize(result)
+            summary["round"] = round_index + 1
+            if simulate_runs:
+                check = simulated(trace, options, result, summary, nonce)
+                if check is not None:
+                    summary["simulator"] = check
+            summary["per_call"] = [
+                [c.index, _ms(c.ttft), c.prompt_tokens, c.cached_tokens] for c in result.calls
+            ]
+            runs.append(summary)
+            say(f"  {target.name}: {headline(summary)}")
+    return {"trace": trace.describe(), "options": _options(options), "runs": runs}
+
+
+def headline(summary: dict[str, Any]) -> str:
+    parts = [f"hit rate {summary['hit_rate']}"]
+    if summary.get("simulator", {}).get("hit_rate") is not None:
+        parts.append(f"(simulator {summary['simulator']['hit_rate']})")
+    parts.append(f"computed {summary['computed_tokens']} tokens")
+    parts.append(f"TTFT p50 {summary['ttft_ms_p50']} ms, p90 {summary['ttft_ms_p90']} ms")
+    if summary["errors"]:
+        parts.append(f"{summary['errors']} errors ({summary.get('first_error')})")
+    if "releases" in summary:
+        r = summary["releases"]
+        parts.append(f"releases {r['in_request']} in-request, {r['post']} POST")
+    return ", ".join(parts)
+
+
+def _options(options: ReplayOptions) -> dict[str, Any]:
+    out = dict(vars(options))
+    out.pop("api_key", None)
+    out.pop("progress", None)
+    return out

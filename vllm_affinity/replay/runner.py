@@ -1,0 +1,266 @@
+"""Replay a ``Trace`` against an OpenAI-compatible server, with or without the hook.
+
+Each session's calls go in order, each at its time on the trace's clock sped up ``speed`` times
+(``speed`` 0: one call at a time in trace order, so a simulator sees exactly the server's order),
+at most ``concurrency`` in flight. Every call is streamed, so its time to first token is measured;
+prompt and cached tokens come from the answer's usage, the hit rate also from the server's own
+counters where ``/metrics`` answers. A hooked run installs ``jiuwen_hooks`` for its duration, and
+the session of every call rides in ``jiuwen_hooks.session``: the hook finds out by itself whether
+the server runs the plugin (in-request release), takes the POST, or neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+import jiuwen_hooks
+
+from .prompts import WindowBuilder
+from .trace import Trace, next_call_gaps
+
+#: Seconds to the next call at or above which the plugin counts a session as idle (the plugin's
+#: ``VLLM_AFFINITY_IDLE_AFTER_S`` default).
+IDLE_AFTER_S = 10.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """One side of a comparison: a server, and whether the hook runs in front of it."""
+
+    name: str
+    base_url: str  # ends in /v1
+    hooked: bool
+
+    @property
+    def root_url(self) -> str:
+        return re.sub(r"/v1/?$", "", self.base_url.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    model: str
+    api_key: str = "EMPTY"
+    #: Prompt and output tokens are multiplied by this (0.25 keeps a quarter).
+    scale: float = 1.0
+    #: The trace's clock runs this many times faster; 0: one call at a time in trace order.
+    speed: float = 1.0
+    concurrency: int = 64
+    #: Cap on each call's output tokens (CPU runs keep them short); None: as the trace says.
+    max_output_tokens: int | None = None
+    #: Send vLLM's ``ignore_eos`` so each call generates as many tokens as the trace's.
+    ignore_eos: bool = True
+    #: Hooked runs tell the plugin when each session's next call comes (``X-KV-Next-Use``,
+    #: from the trace's own gaps: what an agent that knows its schedule would say).
+    next_use_hint: bool = False
+    #: Hooked runs end each session after its last call (``jiuwen_hooks.end_session``).
+    end_sessions: bool = False
+    timeout: float = 600.0
+    progress: bool = True
+
+    def tokens_per_block(self, trace: Trace) -> int:
+        return max(1, round(trace.block_tokens * self.scale))
+
+    def max_tokens(self, output_tokens: int) -> int:
+        tokens = max(1, round(output_tokens * self.scale))
+        return min(tokens, self.max_output_tokens) if self.max_output_tokens else tokens
+
+
+@dataclass
+class CallRecord:
+    index: int
+    session: str
+    sent: float  # seconds since the run's start
+    done: float = 0.0
+    ttft: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    target: Target
+    calls: list[CallRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+    server_hits: float | None = None  # prefix-cache hit and query tokens from /metrics
+    server_queries: float | None = None
+    hook: dict[str, Any] = field(default_factory=dict)
+
+    def sent_order(self) -> list[int]:
+        return [c.index for c in sorted(self.calls, key=lambda c: (c.sent, c.index))]
+
+
+def windows(trace: Trace, options: ReplayOptions, nonce: int) -> list[list[dict[str, Any]]]:
+    """Every request's chat window, built in trace order (``nonce``: content of this run only)."""
+    builder = WindowBuilder(options.tokens_per_block(trace), nonce)
+    return [builder.window(r.blocks) for r in trace.requests]
+
+
+def prefix_counters(root_url: str, api_key: str) -> tuple[float, float] | None:
+    """vLLM's prefix-cache hit and query token counters, or None where ``/metrics`` is absent."""
+    try:
+        response = httpx.get(
+            root_url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
+        )
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    seen = False
+    for line in response.text.splitlines():
+        name = line.partition("{")[0].partition(" ")[0]
+        if name in totals:
+            totals[name] += float(line.rpartition(" ")[2])
+            seen = True
+    if not seen:
+        return None
+    return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
+
+
+class _Progress:
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self.label, self.total, self.enabled = label, total, enabled
+        self.done = 0
+        self.started = time.monotonic()
+        self._shown = 0.0
+
+    def step(self, record: CallRecord) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.enabled and (now - self._shown >= 2.0 or self.done == self.total):
+            self._shown = now
+            end = "\n" if self.done == self.total else ""
+            print(
+                f"\r  {self.label}: {self.done}/{self.total} calls, {now - self.started:.0f} s",
+                end=end,
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+async def _one(
+    client: openai.AsyncOpenAI,
+    options: ReplayOptions,
+    record: CallRecord,
+    window: list[dict[str, Any]],
+    output_tokens: int,
+) -> None:
+    start = time.perf_counter()
+    extra_body = {"ignore_eos": True} if options.ignore_eos else None
+    try:
+        stream = await client.chat.completions.create(
+            model=options.model,
+            messages=window,  # type: ignore[arg-type]
+            max_tokens=options.max_tokens(output_tokens),
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra_body,
+        )
+        async for chunk in stream:
+            if record.ttft is None and chunk.choices:
+                record.ttft = time.perf_counter() - start
+            if chunk.usage is not None:
+                record.prompt_tokens = chunk.usage.prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                if details is not None and details.cached_tokens is not None:
+                    record.cached_tokens = details.cached_tokens
+    except openai.OpenAIError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+
+
+async def _replay(
+    trace: Trace,
+    target: Target,
+    options: ReplayOptions,
+    prompts: Sequence[list[dict[str, Any]]],
+    result: RunResult,
+) -> None:
+    requests = trace.requests
+    gaps = next_call_gaps(requests)
+    by_session: dict[str, list[int]] = {}
+    for index, request in enumerate(requests):
+        by_session.setdefault(request.session, []).append(index)
+    limit = asyncio.Semaphore(max(1, options.concurrency))
+    progress = _Progress(target.name, len(requests), options.progress)
+    origin = requests[0].at
+    client = openai.AsyncOpenAI(
+        base_url=target.base_url, api_key=options.api_key, max_retries=0, timeout=options.timeout
+    )
+    start = time.monotonic()
+
+    async def call(index: int) -> None:
+        request = requests[index]
+        record = CallRecord(index, request.session, time.monotonic() - start)
+        result.calls.append(record)
+        with ExitStack() as stack:
+            if target.hooked:
+                stack.enter_context(jiuwen_hooks.session(request.session))
+                gap = gaps[index]
+                if options.next_use_hint and gap is not None:
+                    stack.enter_context(jiuwen_hooks.next_use(gap / max(options.speed, 1.0)))
+            await _one(client, options, record, prompts[index], request.output_tokens)
+        record.done = time.monotonic() - start
+        if target.hooked and options.end_sessions and gaps[index] is None:
+            jiuwen_hooks.end_session(request.session)
+        progress.step(record)
+
+    async def session(indices: list[int]) -> None:
+        for index in indices:
+            due = (requests[index].at - origin) / options.speed
+            delay = start + due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with limit:
+                await call(index)
+
+    try:
+        if options.speed <= 0:
+            for index in range(len(requests)):
+                await call(index)
+        else:
+            await asyncio.gather(*(session(ix) for ix in by_session.values()))
+    finally:
+        await client.close()
+    result.wall_s = time.monotonic() - start
+
+
+def run(
+    trace: Trace,
+    target: Target,
+    options: ReplayOptions,
+    nonce: int = 0,
+    on_hook: Callable[[jiuwen_hooks.Hook], None] | None = None,
+) -> RunResult:
+    """Replay ``trace`` against ``target`` once (content unique to ``nonce``)."""
+    prompts = windows(trace, options, nonce)
+    result = RunResult(target)
+    before = prefix_counters(target.root_url, options.api_key)
+    hook = jiuwen_hooks.install() if target.hooked else None
+    try:
+        if hook is not None and on_hook is not None:
+            on_hook(hook)
+        asyncio.run(_replay(trace, target, options, prompts, result))
+        if hook is not None:
+            hook.flush()
+            result.hook = {k: v for k, v in hook.stats().items() if k != "engines"}
+            result.hook["engine_state"] = hook.engines().get(target.root_url, "unknown")
+    finally:
+        if hook is not None:
+            jiuwen_hooks.uninstall()
+    after = prefix_counters(target.root_url, options.api_key)
+    if before is not None and after is not None:
+        result.server_hits = after[0] - before[0]
+        result.server_queries = after[1] - before[1]
+    result.calls.sort(key=lambda c: c.index)
+    return result

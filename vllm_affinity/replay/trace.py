@@ -1,0 +1,113 @@
+"""The one trace model every format is read into: who sends which blocks of prompt when.
+
+A request's prompt is a sequence of *block ids*: two requests whose ids agree up to position k
+share the first k blocks of prompt, exactly (equal id, equal content). That is all prefix caching
+and the release see, so it is all a replay needs: prompts are made from the ids
+(``prompts.py``), the simulator hashes the rendered tokens, and nothing of the original text is
+kept or needed.
+
+Pure: no I/O here (the readers are in ``formats.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Transition = Literal["first", "append", "same", "rewrite"]
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One model call of a trace."""
+
+    #: The session (one agent's context: a lead, or a subagent of its own).
+    session: str
+    #: Seconds from the start of the trace.
+    at: float
+    #: Block ids of the prompt, one per ``Trace.block_tokens`` tokens.
+    blocks: tuple[int, ...]
+    #: Tokens the call generated in the trace.
+    output_tokens: int
+    #: The session this one works for (a subagent's lead), when the trace says so.
+    parent: str | None = None
+    #: Prompt tokens as recorded (the blocks may round them up to a whole block).
+    input_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests in time order, with the block size their ids stand for."""
+
+    format: str
+    block_tokens: int
+    requests: tuple[TraceRequest, ...]
+    source: str = ""
+    #: What a reader inferred or dropped (rows skipped, sessions inferred, ...).
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
+        if any(b.at < a.at for a, b in zip(self.requests, self.requests[1:], strict=False)):
+            raise ValueError("trace requests must be in time order")
+
+    def sessions(self) -> list[str]:
+        return list(dict.fromkeys(r.session for r in self.requests))
+
+    def describe(self) -> dict[str, Any]:
+        """Counts a reader of the results wants before any figure."""
+        kinds = Counter(transitions(self.requests))
+        parents = {r.session: r.parent for r in self.requests}
+        tokens = [len(r.blocks) * self.block_tokens for r in self.requests]
+        return {
+            "format": self.format,
+            "source": self.source,
+            "requests": len(self.requests),
+            "sessions": len(parents),
+            "subagents": sum(p is not None for p in parents.values()),
+            "block_tokens": self.block_tokens,
+            "prompt_tokens_mean": round(sum(tokens) / len(tokens)) if tokens else 0,
+            "prompt_tokens_max": max(tokens, default=0),
+            "duration_s": round(self.requests[-1].at - self.requests[0].at, 1)
+            if self.requests
+            else 0.0,
+            "transitions": dict(sorted(kinds.items())),
+            **({"notes": self.notes} if self.notes else {}),
+        }
+
+    def head(self, limit: int) -> Trace:
+        """The first ``limit`` requests (a shorter run of the same trace)."""
+        return Trace(self.format, self.block_tokens, self.requests[:limit], self.source, self.notes)
+
+
+def transitions(requests: Iterable[TraceRequest]) -> list[Transition]:
+    """How each request's prompt relates to its session's previous one."""
+    previous: dict[str, tuple[int, ...]] = {}
+    out: list[Transition] = []
+    for request in requests:
+        before = previous.get(request.session)
+        previous[request.session] = request.blocks
+        if before is None:
+            out.append("first")
+        elif request.blocks == before:
+            out.append("same")
+        elif request.blocks[: len(before)] == before:
+            out.append("append")
+        else:
+            out.append("rewrite")
+    return out
+
+
+def next_call_gaps(requests: Sequence[TraceRequest]) -> list[float | None]:
+    """Seconds from each request's start to its session's next request (None: its last)."""
+    gaps: list[float | None] = [None] * len(requests)
+    last: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        if request.session in last:
+            before = last[request.session]
+            gaps[before] = max(0.0, request.at - requests[before].at)
+        last[request.session] = index
+    return gaps
