@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_affinity.replay.compare import say, simulated, summarize
+from vllm_affinity.replay.compare import say, simulated, summarize, tokenize
 from vllm_affinity.replay.formats import (
     FORMATS,
     WRITERS,
@@ -60,20 +60,21 @@ SCENARIOS = (
 )
 
 
-def working_set_blocks(trace: Trace, options: ReplayOptions) -> tuple[int, int]:
-    """(working set, longest prompt) in blocks, from the prompts vLLM renders."""
-    with VLLMServer(plugin=False, num_blocks=256, api_key=API_KEY, max_model_len=8000) as server:
-        from vllm_affinity.replay.compare import tokenize
-
+def render(trace: Trace, options: ReplayOptions) -> list[tuple[int, ...]]:
+    """Every prompt's tokens, as vLLM renders them (``/tokenize``)."""
+    with VLLMServer(plugin=False, num_blocks=1025, api_key=API_KEY, max_model_len=32768) as server:
         tokens = tokenize(server.root_url, options, windows(trace, options, nonce=0))
     assert tokens is not None, "the server did not tokenize"
-    requests = [Request(r.session, t) for r, t in zip(trace.requests, tokens, strict=True)]
-    longest = max(-(-(len(t) + MAX_OUTPUT) // BLOCK_SIZE) for t in tokens)
-    return working_set(requests, BLOCK_SIZE), longest
+    return tokens
 
 
 def run_scenario(
-    trace: Trace, scenario: Scenario, blocks: int, options: ReplayOptions, cores: str
+    trace: Trace,
+    scenario: Scenario,
+    blocks: int,
+    options: ReplayOptions,
+    tokens: list[tuple[int, ...]],
+    cores: str,
 ) -> dict[str, Any]:
     env = {"VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false"}
     options = dataclasses.replace(options, next_use_hint=scenario.lifecycle)
@@ -84,7 +85,7 @@ def run_scenario(
         target = Target(scenario.name, server.base_url, hooked=scenario.plugin)
         result = run(trace, target, options, nonce=1)
         summary = summarize(result)
-        check = simulated(trace, options, result, summary, nonce=1)
+        check = simulated(trace, options, result, summary, tokens)
     if check is not None:
         summary["simulator"] = check
     say(
@@ -101,7 +102,10 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         concurrency=args.concurrency, max_output_tokens=MAX_OUTPUT, progress=not args.quiet,
     )  # fmt: skip
     say(f"{trace.format}: {trace.describe()}")
-    working, longest = working_set_blocks(trace, options)
+    tokens = render(trace, options)
+    requests = [Request(r.session, t) for r, t in zip(trace.requests, tokens, strict=True)]
+    working = working_set(requests, BLOCK_SIZE)
+    longest = max(-(-(len(t) + MAX_OUTPUT) // BLOCK_SIZE) for t in tokens)
     row: dict[str, Any] = {
         "trace": trace.describe(),
         "working_set_blocks": working,
@@ -113,7 +117,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
         for scenario in SCENARIOS:
             pool["scenarios"][scenario.name] = run_scenario(
-                trace, scenario, blocks, options, args.cores
+                trace, scenario, blocks, options, tokens, args.cores
             )
         row["pools"].append(pool)
     return row

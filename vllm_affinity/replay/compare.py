@@ -146,13 +146,19 @@ def simulated(
     options: ReplayOptions,
     result: RunResult,
     summary: dict[str, Any],
-    nonce: int,
+    tokens: Sequence[tuple[int, ...]] | None = None,
 ) -> dict[str, Any] | None:
-    """The simulator on this run's tokens, in its send order, with the server's pool."""
+    """The simulator on the trace's tokens in this run's send order, with the server's pool.
+
+    ``tokens``: the rendered prompts of any run of this trace (every run's prompts have the
+    same lengths and the same sharing, only other words); rendered here when not given."""
     target = result.target
     pool = pool_of(target.root_url, options.api_key)
-    tokens = tokenize(target.root_url, options, windows(trace, options, nonce))
-    if pool is None or tokens is None:
+    if pool is None:
+        return None
+    if tokens is None:
+        tokens = tokenize(target.root_url, options, windows(trace, options, nonce=0))
+    if tokens is None:
         return None
     capacity, block = pool
     finish = finishes(trace, options)
@@ -186,6 +192,7 @@ def compare(
     """Every side once per round (first side alternating), summarised; see the module."""
     runs: list[dict[str, Any]] = []
     nonce = 0
+    rendered: dict[str, list[tuple[int, ...]] | None] = {}  # per server, rendered once
     for round_index in range(rounds):
         order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
         for target in order:
@@ -195,7 +202,11 @@ def compare(
             summary = summarize(result)
             summary["round"] = round_index + 1
             if simulate_runs:
-                check = simulated(trace, options, result, summary, nonce)
+                if target.root_url not in rendered:
+                    prompts = windows(trace, options, nonce=0)
+                    rendered[target.root_url] = tokenize(target.root_url, options, prompts)
+                tokens = rendered[target.root_url]
+                check = simulated(trace, options, result, summary, tokens) if tokens else None
                 if check is not None:
                     summary["simulator"] = check
             summary["per_call"] = [

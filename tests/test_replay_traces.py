@@ -1,0 +1,182 @@
+"""The trace readers, writers and prompt synthesis of ``vllm_affinity.replay`` (pure: no server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jiuwen_hooks._diff import Window, canonical_window, diff_windows
+from vllm_affinity.replay.formats import (
+    FORMATS,
+    WRITERS,
+    TraceFormatError,
+    read_trace,
+)
+from vllm_affinity.replay.prompts import WindowBuilder
+from vllm_affinity.replay.synthetic import SyntheticConfig, generate
+from vllm_affinity.replay.trace import Trace, TraceRequest, next_call_gaps, transitions
+
+
+def structure(trace: Trace) -> list[tuple[str, str | None, list[str]]]:
+    """Per session: name, parent and the transitions of its requests."""
+    kinds = transitions(trace.requests)
+    out: dict[str, tuple[str, str | None, list[str]]] = {}
+    for request, kind in zip(trace.requests, kinds, strict=True):
+        out.setdefault(request.session, (request.session, request.parent, []))[2].append(kind)
+    return sorted(out.values())
+
+
+def gaps(trace: Trace) -> list[float]:
+    """Each request's time on its session's own clock, sessions in name order."""
+    out: dict[str, list[float]] = {}
+    for r in trace.requests:
+        out.setdefault(r.session, []).append(r.at)
+    return [t - ts[0] for _, ts in sorted(out.items()) for t in ts]
+
+
+def sizes(trace: Trace) -> list[tuple[str, int]]:
+    return sorted((r.session, len(r.blocks)) for r in trace.requests)
+
+
+@pytest.mark.parametrize("fmt", ["project", "agentx", "agentinfer"])
+def test_round_trip_keeps_sessions_parents_and_rewrites(tmp_path: Path, fmt: str) -> None:
+    trace = generate(SyntheticConfig(sessions=3, calls_per_session=14))
+    path = tmp_path / f"t.{fmt}.jsonl"
+    WRITERS[fmt](trace, path)
+    back = read_trace(path, fmt)
+    assert structure(back) == structure(trace)
+    assert len(back.requests) == len(trace.requests)
+    assert gaps(back) == pytest.approx(gaps(trace), abs=0.01)  # each session's own clock
+    assert "rewrite" in transitions(back.requests)  # compactions survive
+    if fmt != "agentinfer":  # agentinfer keeps token counts only
+        assert sizes(back) == sizes(trace)
+
+
+def test_agentinfer_shares_each_role_system_prompt_and_compacts(tmp_path: Path) -> None:
+    rows = [
+        ("s1", "lead", "lead", 0, 1000),
+        ("s1", "a1", "subagent", 1, 3000),
+        ("s2", "lead", "lead", 2, 1100),
+        ("s1", "lead", "lead", 3, 1500),
+        ("s1", "lead", "lead", 4, 600),  # compacted
+        ("s1", "a1", "subagent", 5, 0),  # a failed request: dropped
+    ]
+    with (tmp_path / "a.jsonl").open("w") as out:
+        for session, actor, role, second, tokens in rows:
+            row = {
+                "session_id": session,
+                "actor_id": actor,
+                "actor_role": role,
+                "started_at": f"2026-08-12T04:00:0{second}+00:00",
+                "input_tokens": tokens or 5,
+                "output_tokens": 7,
+                "status": "error" if not tokens else "success",
+            }
+            out.write(json.dumps(row) + "\n")
+    trace = read_trace(tmp_path / "a.jsonl", "agentinfer")
+    lead1, sub, lead2, grown, compacted = trace.requests
+    assert sub.session == "s1/a1" and sub.parent == "s1" and lead1.parent is None
+    system = lead1.blocks[:7]  # 1000 // 128 blocks of the shortest first lead prompt
+    assert lead2.blocks[:7] == system and lead2.blocks[7:] != lead1.blocks[7:]
+    assert not set(sub.blocks) & set(lead1.blocks)
+    assert grown.blocks[: len(lead1.blocks)] == lead1.blocks
+    assert compacted.blocks[:7] == system and len(compacted.blocks) == 7  # 600 tokens: system
+    assert transitions(trace.requests)[-1] == "rewrite"
+    assert trace.notes["dropped_failed"] == 1 and trace.notes["compactions"] == 1
+
+
+def test_mooncake_infers_turns_rewrites_and_new_conversations(tmp_path: Path) -> None:
+    rows = [
+        [0, 1, 2, 3],  # conversation A
+        [0, 7, 8],  # B (shares only the system block with A)
+        [0, 1, 2, 3, 4, 5],  # A's next turn
+        [0, 1, 2, 3, 9],  # A rewritten (keeps 4 of 6 blocks)
+        [0, 7, 8, 10],  # B's next turn
+        [0, 1, 11],  # a new conversation: 2 blocks of A's 5 are not more than half
+    ]
+    with (tmp_path / "m.jsonl").open("w") as out:
+        for i, ids in enumerate(rows):
+            row = {"timestamp": i * 1000, "input_length": 512 * len(ids), "output_length": 3}
+            out.write(json.dumps({**row, "hash_ids": ids}) + "\n")
+    trace = read_trace(tmp_path / "m.jsonl", "mooncake")
+    sessions = [r.session for r in trace.requests]
+    a, b = sessions[0], sessions[1]
+    assert sessions[:5] == [a, b, a, a, b] and sessions[5] not in (a, b)
+    assert transitions(trace.requests) == ["first", "first", "append", "rewrite", "append", "first"]
+    assert trace.block_tokens == 512 and trace.requests[1].at == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fmt", "line", "message"),
+    [
+        ("mooncake", "not json", "not JSON"),
+        ("mooncake", '{"timestamp": 0, "input_length": 5, "output_length": 1}', "hash_ids"),
+        ("mooncake", '{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+         "timestamp"),
+        ("agentx", '{"id": "x", "block_size": 16, "requests": []}', "requests"),
+        ("agentx", '{"id": "x", "block_size": 16, "hash_id_scope": "global", "requests": [1]}',
+         "local"),
+        ("agentinfer", '{"session_id": "s", "actor_id": "lead", "started_at": "yesterday", '
+         '"input_tokens": 5}', "ISO"),
+        ("project", '{"session": "s"}', "header"),
+    ],
+)  # fmt: skip
+def test_bad_files_name_the_line(tmp_path: Path, fmt: str, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(TraceFormatError, match=message) as error:
+        read_trace(path, fmt)
+    assert str(path) in str(error.value)
+
+
+def test_missing_file_unknown_format_and_empty_trace(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="no such file"):
+        read_trace(tmp_path / "nope.jsonl", "mooncake")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceFormatError, match="no requests"):
+        read_trace(tmp_path / "empty.jsonl", "mooncake")
+    with pytest.raises(TraceFormatError, match="unknown trace format"):
+        read_trace(tmp_path / "empty.jsonl", "csv")
+    assert set(FORMATS) == set(WRITERS)
+
+
+def test_windows_share_what_the_blocks_share_and_diff_like_an_agent() -> None:
+    builder = WindowBuilder(tokens_per_block=4)
+    first = builder.window((0, 1, 2, 3))
+    grown = builder.window((0, 1, 2, 3, 4, 5))
+    rewritten = builder.window((0, 1, 2, 3, 4, 9))
+    other = builder.window((0, 1, 7))  # another session sharing the first two blocks
+    assert grown[: len(first)] == first and len(grown) == len(first) + 1
+    assert rewritten[: len(first)] == first and rewritten[-1] != grown[-1]
+    assert "".join(m["content"] for m in other).startswith(builder.text(0) + builder.text(1))
+
+    def diff(old: list, new: list):
+        return diff_windows(Window(canonical_window(old)), Window(canonical_window(new)))
+
+    assert diff(first, grown) is None  # an append releases nothing
+    release = diff(grown, rewritten)
+    assert release is not None and release.messages_released_index == len(first)
+    # The same ids give the same words; another nonce (another run) gives other words.
+    assert WindowBuilder(4).window((0, 1, 2, 3)) == first
+    assert WindowBuilder(4, nonce=1).window((0, 1, 2, 3)) != first
+    assert all(len(builder.text(b).split()) == 4 for b in range(10))
+
+
+def test_next_call_gaps_and_describe() -> None:
+    trace = Trace(
+        "project",
+        16,
+        (
+            TraceRequest("a", 0.0, (1, 2), 5),
+            TraceRequest("b", 1.0, (1, 3), 5, parent="a"),
+            TraceRequest("a", 4.0, (1, 2, 4), 5),
+        ),
+    )
+    assert next_call_gaps(trace.requests) == [4.0, None, None]
+    info = trace.describe()
+    assert info["sessions"] == 2 and info["subagents"] == 1 and info["duration_s"] == 4.0
+    assert info["transitions"] == {"append": 1, "first": 2}
+    with pytest.raises(ValueError, match="time order"):
+        Trace("project", 16, tuple(reversed(trace.requests)))
