@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from agent_trace import TraceConfig, generate_timed
 
 from vllm_affinity.replay.compare import say, simulated, summarize, tokenize
 from vllm_affinity.replay.formats import (
@@ -34,12 +37,14 @@ from vllm_affinity.replay.formats import (
     WRITERS,
     agentinfer_trace_path,
     read_trace,
+    write_agentx,
+    write_project,
 )
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.runner import ReplayOptions, Target, run, windows
 from vllm_affinity.replay.simulator import Request, working_set
 from vllm_affinity.replay.synthetic import SyntheticConfig, generate
-from vllm_affinity.replay.trace import Trace
+from vllm_affinity.replay.trace import Trace, TraceRequest
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
 
 API_KEY = "bench"
@@ -123,10 +128,31 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def agent_trace_blocks(block_tokens: int = 32) -> Trace:
+    """The project's timed agent trace (``agent_trace.generate_timed``, which the lifecycle
+    figures come from) as block ids: each message is cut into blocks of ``block_tokens`` (about
+    four characters a token), so equal messages at equal places give equal ids."""
+    requests = []
+    for call in generate_timed(TraceConfig()):
+        ids: list[int] = []
+        for message in call.window:
+            text = json.dumps(message, sort_keys=True)
+            count = max(1, round(len(text) / (4 * block_tokens)))
+            ids += [hash((text, i)) & (2**62 - 1) for i in range(count)]
+        requests.append(TraceRequest(call.session, call.at, tuple(ids), MAX_OUTPUT))
+    return Trace("project", block_tokens, tuple(requests), "agent_trace.generate_timed")
+
+
 def traces(spec: str, args: argparse.Namespace, workdir: Path) -> list[Trace]:
     out = []
     for item in spec.split(","):
         fmt, _, path = item.partition("=")
+        if fmt == "project" and not path:  # the project's own trace, through its file format
+            path = str(workdir / "agent_trace.jsonl")
+            write_project(agent_trace_blocks(), path)
+        if fmt == "agentx" and not path:  # no public AgentX trace here: the synthetic one
+            path = str(workdir / "synthetic.agentx.jsonl")
+            write_agentx(generate(SyntheticConfig(sessions=8, calls_per_session=24)), path)
         if fmt == "synthetic":  # the project's own trace, written and read in every format
             trace = generate(SyntheticConfig(sessions=3, calls_per_session=8))
             for name in FORMATS:

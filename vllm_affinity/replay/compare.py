@@ -123,11 +123,13 @@ def tokenize(
 
 
 def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
-    """How the plugin sees each call end, as the simulator's ``finish``."""
+    """How the plugin sees each call end, as the simulator's ``finish``: a replayed call is cut
+    at its token budget (``length``: no signal), so only the hint says idle (``stop``) or
+    live (``tool_calls``)."""
     out = []
     for gap in next_call_gaps(trace.requests):
-        if gap is None:
-            out.append("end" if options.end_sessions else "stop")
+        if gap is None:  # a session's last call: no hint goes with it
+            out.append("end" if options.end_sessions else "tool_calls")
         elif not options.next_use_hint:
             out.append("tool_calls")  # no signal: the plugin keeps the session live
         else:

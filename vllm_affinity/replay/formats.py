@@ -5,9 +5,9 @@
   "input_tokens"]}``. ``write_project`` writes it; ``synthetic.py`` makes one.
 - ``mooncake`` (the Mooncake FAST'25 traces): ``{"timestamp" (ms), "input_length",
   "output_length", "hash_ids"}`` a line, 512-token blocks, no session ids. A request whose ids
-  extend a session's latest prompt is that session's next turn; one that keeps more than half of a
-  session's latest prompt (and at least two blocks) but not all of it rewrote it; anything else
-  starts a session. The system prompt every session shares is one block, so two blocks in common
+  extend a session's latest prompt is that session's next turn (also when only its partial last
+  block changed); one that keeps more than half of a session's latest prompt (and at least two
+  blocks) but not all of it rewrote it; anything else starts a session. The system prompt every session shares is one block, so two blocks in common
   are the least that says "the same conversation".
 - ``agentx``: one session a line ``{"id", "block_size", "hash_id_scope": "local", "requests":
   [{"t", "in", "out", "hash_ids", ...} | {"type": "subagent", "agent_id", "requests": [...]}]}``.
@@ -199,7 +199,9 @@ class _SessionFinder:
                 before = self.latest[candidate]
                 shared = common_prefix_length(before, ids)
                 if shared >= 2 and 2 * shared > len(before):
-                    session, kind = candidate, "rewritten"
+                    # All but a partial last block kept and more added: the next turn.
+                    grew = shared == len(before) - 1 and len(ids) >= len(before)
+                    session, kind = candidate, "continued" if grew else "rewritten"
                     break
         if session is None:
             session, kind = f"s{next(self.counter)}", "started"

@@ -80,7 +80,8 @@ class Trace:
 
     def head(self, limit: int) -> Trace:
         """The first ``limit`` requests (a shorter run of the same trace)."""
-        return Trace(self.format, self.block_tokens, self.requests[:limit], self.source, self.notes)
+        notes = {**self.notes, "first_calls_of": len(self.requests)}  # notes: the whole file
+        return Trace(self.format, self.block_tokens, self.requests[:limit], self.source, notes)
 
 
 def transitions(requests: Iterable[TraceRequest]) -> list[Transition]:
