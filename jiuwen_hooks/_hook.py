@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import importlib.util
 import inspect
 import threading
 import time
@@ -39,18 +40,10 @@ from ._context import (
 )
 from ._diff import Release, ReleasePolicy, Window
 from ._engines import EngineDirectory, EngineState
-from ._openai import (
-    ASYNC_REQUEST,
-    CALLER_METHODS,
-    CLIENT_MODULE,
-    SYNC_REQUEST,
-    async_request_wrapper,
-    caller_list_wrapper,
-    request_wrapper,
-)
 from ._options import Options
 from ._patch import Patches, resolve
 from ._release import EngineTarget, ReleaseClient, engine_root, release_attributes
+from ._sdk import SDKS, async_request_wrapper, caller_list_wrapper, request_wrapper
 from ._sessions import CompressorJob, ReleasePlan, SessionTable
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, log_triggered
 from ._windows import SERVER_HISTORY, rewritten_messages, window_of
@@ -345,11 +338,14 @@ class Hook:
         return self
 
     def _patch(self) -> None:
-        self._patches.wrap(CLIENT_MODULE, SYNC_REQUEST, request_wrapper(self))
-        self._patches.wrap(CLIENT_MODULE, ASYNC_REQUEST, async_request_wrapper(self))
-        for module, method, argument in CALLER_METHODS:
-            is_async = method.startswith("Async")
-            self._patches.wrap(module, method, caller_list_wrapper(self, argument, is_async))
+        for sdk in SDKS:
+            if importlib.util.find_spec(sdk.name) is None:
+                continue  # not installed: nothing of it to track
+            self._patches.wrap(sdk.client_module, sdk.sync_request, request_wrapper(self))
+            self._patches.wrap(sdk.client_module, sdk.async_request, async_request_wrapper(self))
+            for module, method, argument in sdk.caller_methods:
+                is_async = method.startswith("Async")
+                self._patches.wrap(module, method, caller_list_wrapper(self, argument, is_async))
         for dotted in self.options.compressors:
             module, attribute = parse_dotted(dotted)
             found = resolve(module, attribute)

@@ -32,7 +32,7 @@ from ._engines import EngineDirectory, EngineState, state_from_capabilities
 from ._options import Options
 from ._sessions import ReleasePlan
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, logger
-from ._windows import responses_body
+from ._windows import messages_body, responses_body
 
 CAPABILITIES_PATH = "/affinity/capabilities"
 #: Outcomes after which an engine root is left alone for ``failure_cooldown`` seconds.
@@ -78,6 +78,9 @@ def release_payload(plan: ReleasePlan) -> dict[str, Any]:
     }
     if old.api == "responses":  # the index counts the instructions as the first item
         body.update(responses_body(old))
+    elif old.api == "messages":  # Anthropic: likewise the system prompt
+        body["api"] = "messages"
+        body.update(messages_body(old))
     else:
         body["messages"] = list(old.messages)
     if old.tools is not None:

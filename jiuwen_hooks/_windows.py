@@ -1,9 +1,14 @@
-"""Pure core: the window a model request sends, read from its JSON body, for both OpenAI APIs.
+"""Pure core: the window a model request sends, read from its JSON body, for the OpenAI APIs and
+the Anthropic Messages API.
 
 - Chat Completions: ``messages`` and ``tools``.
 - Responses: ``instructions`` (as a first ``{"instructions": ...}`` item, so a changed system
   prompt releases everything) and ``input`` (a string is one user message; items — messages,
   function calls, their outputs, reasoning — are compared as plain JSON), and ``tools``.
+- Anthropic Messages: ``system`` (a first ``{"system": ...}`` item, likewise) and ``messages``
+  (content blocks — text, tool_use, tool_result, images — compared as plain JSON), and
+  ``tools``; ``cache_control`` markers are dropped everywhere: they move from call to call and
+  change no token of the prompt.
 
 A Responses call that names ``previous_response_id`` or ``conversation`` keeps its history on the
 server: the client never sees the whole window, so such calls are not tracked (``SERVER_HISTORY``).
@@ -18,6 +23,7 @@ from ._diff import Message, Window, canonical_tools, canonical_window, to_plain
 
 CHAT_PATH = "/chat/completions"
 RESPONSES_PATH = "/responses"
+MESSAGES_PATH = "/v1/messages"
 
 #: Why a Responses call was not tracked: its history lives on the server.
 SERVER_HISTORY = "server_history"
@@ -34,12 +40,15 @@ def sequence(value: Any) -> list[Any] | tuple[Any, ...] | None:
 
 
 def api_of(path: str) -> str | None:
-    """``"chat"`` / ``"responses"`` for the request paths the hook tracks, else ``None``."""
-    path = path.rstrip("/")
+    """``"chat"`` / ``"responses"`` / ``"messages"`` for the request paths the hook tracks (a
+    query string, such as the Anthropic SDK's ``?beta=true``, is ignored), else ``None``."""
+    path = path.partition("?")[0].rstrip("/")
     if path.endswith(CHAT_PATH):
         return "chat"
     if path.endswith(RESPONSES_PATH):
         return "responses"
+    if path.endswith(MESSAGES_PATH):
+        return "messages"
     return None
 
 
@@ -69,7 +78,38 @@ def responses_window(body: Mapping[str, Any]) -> Window | str | None:
     return Window(items, canonical_tools(sequence(body.get("tools"))), api="responses")
 
 
+def without_cache_control(value: Any) -> Any:
+    """``value`` as plain JSON with every ``cache_control`` key removed (Anthropic's prompt
+    caching markers, which the prompt's tokens do not depend on)."""
+    value = to_plain(value)
+    if isinstance(value, dict):
+        return {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [without_cache_control(v) for v in value]
+    return value
+
+
+def messages_window(body: Mapping[str, Any]) -> Window | None:
+    """The window of an Anthropic Messages request: ``system`` first (when given), then the
+    messages; ``None`` when there are no messages to track."""
+    messages = sequence(body.get("messages"))
+    if messages is None:
+        return None
+    items = tuple(without_cache_control(m) for m in messages)
+    system = body.get("system")
+    if system:
+        items = ({"system": without_cache_control(system)}, *items)
+    tools = sequence(body.get("tools"))
+    return Window(
+        items,
+        None if tools is None else tuple(without_cache_control(t) for t in tools),
+        api="messages",
+    )
+
+
 def window_of(api: str, body: Mapping[str, Any]) -> Window | str | None:
+    if api == "messages":
+        return messages_window(body)
     return chat_window(body) if api == "chat" else responses_window(body)
 
 
@@ -84,8 +124,22 @@ def responses_body(window: Window) -> dict[str, Any]:
     return out
 
 
+def messages_body(window: Window) -> dict[str, Any]:
+    """``system`` and ``messages`` of an Anthropic window (the inverse of ``messages_window``)."""
+    items = list(window.messages)
+    out: dict[str, Any] = {}
+    if _has_lead_item(window, "system"):
+        out["system"] = items.pop(0)["system"]
+    out["messages"] = items
+    return out
+
+
+def _has_lead_item(window: Window, key: str) -> bool:
+    return bool(window.messages) and set(window.messages[0]) == {key}
+
+
 def _has_instructions(window: Window) -> bool:
-    return bool(window.messages) and set(window.messages[0]) == {"instructions"}
+    return _has_lead_item(window, "instructions")
 
 
 def rewritten_messages(old: Window, output: Any) -> tuple[Message, ...]:
@@ -93,6 +147,9 @@ def rewritten_messages(old: Window, output: Any) -> tuple[Message, ...]:
     Responses input items after ``old``'s instructions."""
     if old.api == "chat":
         return canonical_window(output)
+    if old.api == "messages":
+        items = tuple(without_cache_control(item) for item in output)
+        return (old.messages[0], *items) if _has_lead_item(old, "system") else items
     items = tuple(to_plain(item) for item in output)
     if _has_instructions(old):
         items = (old.messages[0], *items)

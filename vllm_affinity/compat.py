@@ -64,6 +64,13 @@ REQUIRED = {
         "online_renderer",
     ),
     "vllm.renderers.online_renderer.OnlineRenderer": ("render_responses",),
+    # /v1/messages goes through create_chat_completion; a POSTed Anthropic window is converted
+    # as that handler converts it.
+    "vllm.entrypoints.anthropic.serving.AnthropicServingMessages": (
+        "create_messages",
+        "to_chat_completion_request",
+    ),
+    "vllm.entrypoints.anthropic.protocol.AnthropicMessagesRequest": ("messages", "system", "tools"),
     "vllm.entrypoints.openai.responses.protocol.ResponsesRequest": (
         "input",
         "instructions",

@@ -6,7 +6,7 @@ against them (``tests/test_docs_contract.py``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -14,19 +14,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class ReleaseRequest(BaseModel):
     """The body of ``POST /release_kv_cache`` (see the README for the contract).
 
-    The previous window is either a Chat Completions window (``messages``) or a Responses API
-    window (``input`` items, with ``instructions``); ``messages_released_index`` indexes the
-    window, where ``instructions`` count as its first item.
+    The previous window is a Chat Completions window (``messages``), a Responses API window
+    (``input`` items, with ``instructions``) or, with ``api: "messages"``, an Anthropic Messages
+    window (``messages`` with content blocks, with ``system``); ``messages_released_index``
+    indexes the window, where ``instructions`` or ``system`` count as its first item.
     """
 
     model_config = ConfigDict(extra="ignore")
 
+    #: Which API the window is of; ``None``: chat, or Responses when ``input`` is given.
+    api: Literal["chat", "responses", "messages"] | None = None
     model: str = Field(min_length=1)
     cache_salt: str = Field(min_length=1, max_length=512)
     cache_sharing: bool | None = None
     messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
     input: list[dict[str, Any]] | None = None
     instructions: str | None = None
+    #: The Anthropic window's system prompt: a string or text blocks.
+    system: str | list[dict[str, Any]] | None = None
     messages_released_index: int = Field(ge=0)
     tools: list[dict[str, Any]] | None = None
     tools_released_index: int | None = Field(default=None, ge=0)
@@ -36,10 +41,14 @@ class ReleaseRequest(BaseModel):
         return self.input is not None
 
     @property
+    def is_messages(self) -> bool:
+        return self.api == "messages"
+
+    @property
     def window_length(self) -> int:
         if self.input is not None:
             return len(self.input) + (1 if self.instructions else 0)
-        return len(self.messages or ())
+        return len(self.messages or ()) + (1 if self.system else 0)
 
     @model_validator(mode="after")
     def _indices_in_range(self) -> ReleaseRequest:
@@ -47,6 +56,12 @@ class ReleaseRequest(BaseModel):
             raise ValueError("give exactly one of messages (chat) or input (responses)")
         if self.instructions is not None and self.input is None:
             raise ValueError("instructions given without input")
+        if self.api == "responses" and self.input is None:
+            raise ValueError("api 'responses' needs input")
+        if self.api in ("chat", "messages") and self.messages is None:
+            raise ValueError(f"api {self.api!r} needs messages")
+        if self.system is not None and not self.is_messages:
+            raise ValueError("system is for api 'messages' (chat windows carry it as a message)")
         if self.window_length == 0:
             raise ValueError("the window is empty")
         if self.messages_released_index > self.window_length:

@@ -63,6 +63,7 @@ class AffinityEndpoint:
             engine_client=engine_client,
             serving_chat=state.openai_serving_chat,
             serving_responses=getattr(state, "openai_serving_responses", None),
+            serving_messages=getattr(state, "anthropic_serving_messages", None),
             block_size=config.cache_config.block_size,
             max_model_len=config.model_config.max_model_len,
             api_tokens=[hashlib.sha256(t.encode()).digest() for t in tokens],

@@ -72,6 +72,8 @@ class ReleaseService:
     engine_client: Any
     serving_chat: Any
     serving_responses: Any
+    #: vLLM's ``/v1/messages`` handler (Anthropic), when the server has one.
+    serving_messages: Any
     block_size: int
     max_model_len: int
     api_tokens: list[bytes]
@@ -202,6 +204,8 @@ class ReleaseService:
         tools = request.tools if j is None else (request.tools or [])[:j]
         if request.input is not None:
             return await self._render_responses_cut(request, k, tools)
+        if request.is_messages:
+            return await self._render_messages_cut(request, k, tools)
         messages = request.messages or []
         _chat_request(request, messages, request.tools)
         if k == 0:
@@ -212,7 +216,9 @@ class ReleaseService:
     async def _render(
         self, request: ReleaseRequest, messages: list[dict[str, Any]], tools: list[Any] | None
     ) -> list[int]:
-        chat = _chat_request(request, messages, tools)
+        return await self._render_chat(_chat_request(request, messages, tools))
+
+    async def _render_chat(self, chat: Any) -> list[int]:
         try:
             rendered = await self.serving_chat.render_chat_request(chat)
         except ValueError as exc:  # template errors surface as ValueError
@@ -257,6 +263,29 @@ class ReleaseService:
         if not hasattr(rendered, "engine_input"):  # vLLM's ErrorResponse
             raise ReleaseError(rendered.error.code, rendered.error.message, rendered.error.type)
         return self._token_ids(rendered.engine_input)
+
+    async def _render_messages_cut(
+        self, request: ReleaseRequest, k: int, tools: list[Any] | None
+    ) -> list[int]:
+        """As vLLM's ``/v1/messages`` renders: its own Anthropic-to-chat conversion of
+        ``system`` (window item 0, when given) and the messages before the released one."""
+        serving = self.serving_messages
+        if serving is None:
+            raise ReleaseError(
+                400, "this server does not serve the Messages API", "NotImplementedError"
+            )
+        messages = request.messages or []
+        offset = 1 if request.system else 0
+        _messages_request(request, messages, request.system, request.tools)  # all of it valid
+        if k == 0:
+            cut = _messages_request(request, messages[:1], None, None)
+        else:
+            cut = _messages_request(request, messages[: k - offset], request.system, tools)
+        chat = serving.to_chat_completion_request(
+            cut, merge_inline_system=getattr(serving, "_merge_inline_system", False)
+        )
+        tokens = await self._render_chat(chat)
+        return [] if k == 0 else tokens
 
     def _token_ids(self, engine_input: Any) -> list[int]:
         return list(self.serving_chat._extract_prompt_components(engine_input).token_ids)
@@ -309,6 +338,23 @@ def _responses_request(
         )
     except ValidationError as exc:
         raise ReleaseError(400, f"invalid input or tools: {exc.errors()[0]['msg']}") from None
+
+
+def _messages_request(
+    request: ReleaseRequest,
+    messages: list[dict[str, Any]],
+    system: Any,
+    tools: list[Any] | None,
+) -> Any:
+    """vLLM's own Anthropic Messages request model over ``messages``: a 400 when malformed."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+    try:
+        return AnthropicMessagesRequest(
+            model=request.model, messages=messages, system=system, tools=tools, max_tokens=1
+        )
+    except ValidationError as exc:
+        raise ReleaseError(400, f"invalid messages or tools: {exc.errors()[0]['msg']}") from None
 
 
 @router.post("/release_kv_cache")

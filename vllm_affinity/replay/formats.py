@@ -7,8 +7,9 @@
   "output_length", "hash_ids"}`` a line, 512-token blocks, no session ids. A request whose ids
   extend a session's latest prompt is that session's next turn (also when only its partial last
   block changed); one that keeps more than half of a session's latest prompt (and at least two
-  blocks) but not all of it rewrote it; anything else starts a session. The system prompt every session shares is one block, so two blocks in common
-  are the least that says "the same conversation".
+  blocks) but not all of it rewrote it; anything else starts a session. The system prompt every
+  session shares is one block, so two blocks in common are the least that says "the same
+  conversation".
 - ``agentx``: one session a line ``{"id", "block_size", "hash_id_scope": "local", "requests":
   [{"t", "in", "out", "hash_ids", ...} | {"type": "subagent", "agent_id", "requests": [...]}]}``.
   Ids are local to a line (the lead and its subagents share them), so they are made unique per

@@ -1,40 +1,71 @@
-"""openai adapter: where the SDK resolves every call, and nothing else.
+"""SDK adapter: where the ``openai`` and ``anthropic`` SDKs resolve every call, and nothing else.
 
-The work happens in ``SyncAPIClient.request`` / ``AsyncAPIClient.request``, the one method every
-resource method, accessor and helper of the SDK ends in (``create``, ``parse``, ``stream``,
-``with_raw_response``, ``with_streaming_response``; Chat Completions and Responses). The SDK looks
-it up on the client at every call, so clients and accessors created or cached before
-``install()`` are tracked, and ``uninstall()`` stops tracking on every one of them.
+Both SDKs are generated alike: every resource method, accessor and helper (``create``,
+``parse``, ``stream``, ``with_raw_response``, ``with_streaming_response``, beta resources) ends
+in ``SyncAPIClient.request`` / ``AsyncAPIClient.request`` of the SDK's ``_base_client``, with
+the same request options (``FinalRequestOptions``: ``url``, ``json_data``, ``headers``,
+``extra_json``). The SDK looks that method up on the client at every call, so clients and
+accessors created or cached before ``install()`` are tracked, and ``uninstall()`` stops tracking
+on every one of them. The SDKs are optional: one that is not installed is not patched.
 
-A second, trivial wrapper on the ``create``/``parse`` methods only notes the list object the
-caller passed, so that a compressor later handed the same list finds its session without a
-``session()`` context. Where an accessor cached the method before ``install()``, that note is
-missing and nothing else changes.
+A second, trivial wrapper on the ``create``/``parse``/``stream`` methods only notes the list
+object the caller passed, so that a compressor later handed the same list finds its session
+without a ``session()`` context. Where an accessor cached the method before ``install()``, that
+note is missing and nothing else changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from ._context import ModelCall
 from ._windows import api_of
 
-CLIENT_MODULE = "openai._base_client"
-SYNC_REQUEST = "SyncAPIClient.request"
-ASYNC_REQUEST = "AsyncAPIClient.request"
 
-#: (module, method, argument holding the caller's list)
-CALLER_METHODS: tuple[tuple[str, str, str], ...] = (
-    ("openai.resources.chat.completions", "Completions.create", "messages"),
-    ("openai.resources.chat.completions", "Completions.parse", "messages"),
-    ("openai.resources.chat.completions", "AsyncCompletions.create", "messages"),
-    ("openai.resources.chat.completions", "AsyncCompletions.parse", "messages"),
-    ("openai.resources.responses.responses", "Responses.create", "input"),
-    ("openai.resources.responses.responses", "Responses.parse", "input"),
-    ("openai.resources.responses.responses", "AsyncResponses.create", "input"),
-    ("openai.resources.responses.responses", "AsyncResponses.parse", "input"),
+@dataclass(frozen=True)
+class Sdk:
+    """Where one SDK funnels its calls, and the methods that receive the caller's list."""
+
+    name: str
+    client_module: str
+    #: (module, method, argument holding the caller's list)
+    caller_methods: tuple[tuple[str, str, str], ...]
+    sync_request: str = "SyncAPIClient.request"
+    async_request: str = "AsyncAPIClient.request"
+
+
+_CHAT = "openai.resources.chat.completions"
+_RESPONSES = "openai.resources.responses.responses"
+_MESSAGES = "anthropic.resources.messages.messages"
+_BETA_MESSAGES = "anthropic.resources.beta.messages.messages"
+
+SDKS: tuple[Sdk, ...] = (
+    Sdk(
+        "openai",
+        "openai._base_client",
+        tuple(
+            (module, f"{prefix}{cls}.{method}", argument)
+            for module, cls, argument in (
+                (_CHAT, "Completions", "messages"),
+                (_RESPONSES, "Responses", "input"),
+            )
+            for prefix in ("", "Async")
+            for method in ("create", "parse")
+        ),
+    ),
+    Sdk(
+        "anthropic",
+        "anthropic._base_client",
+        tuple(
+            (module, f"{prefix}Messages.{method}", "messages")
+            for module in (_MESSAGES, _BETA_MESSAGES)
+            for prefix in ("", "Async")
+            for method in ("create", "stream")
+        ),
+    ),
 )
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -51,7 +82,9 @@ def model_call(client: Any, options: Any) -> ModelCall | None:
     if api is None or not isinstance(body, dict):
         return None
     headers = getattr(options, "headers", None)
-    api_key = getattr(client, "api_key", None)
+    # openai's api_key; anthropic's api_key (x-api-key) or auth_token (a Bearer token, which is
+    # what vLLM checks): the release POST carries it as a Bearer token.
+    api_key = getattr(client, "api_key", None) or getattr(client, "auth_token", None)
     return ModelCall(
         api=api,
         body=body,
