@@ -35,6 +35,7 @@ from .core import HintError, ReleaseHint, engine_rank
 from .core.hint import HEADER as HINT_HEADER
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
+from .core.session_headers import session_from_headers
 from .engine import HINT_KEY
 from .lifecycle import IdleSignals, watched
 from .metrics import AffinityMetrics
@@ -416,6 +417,17 @@ def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
         request.cache_salt = None
 
 
+def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]) -> None:
+    """A request that names no session in its body gets the one its headers name (the agents'
+    own session headers: ``core/session_headers.py``), as vLLM's own ``session_id``."""
+    headers = getattr(raw_request, "headers", None)
+    if headers is None or getattr(request, "session_id", "missing") is not None:
+        return  # a body session_id wins; a request kind without session_id is left alone
+    session = session_from_headers(headers, names)
+    if session is not None:
+        request.session_id = session
+
+
 def session_key(serving: Any, request: Any, raw_request: Any) -> str | None:
     """The key the engine binds a request's blocks under: vLLM's own session id (the body's
     ``session_id``, ``X-Session-ID``, ``vllm_xargs``), else the cache salt."""
@@ -464,6 +476,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         request = args[0] if args else kwargs["request"]
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         apply_cache_sharing(request, settings.allow_cache_sharing)
+        apply_session_headers(request, raw_request, settings.session_headers)
         service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
         session = session_key(instance, request, raw_request) if service is not None else None
         next_use = None

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .core.session_headers import DEFAULT_SESSION_HEADERS, parse_header_list
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -41,6 +43,9 @@ class Settings:
     lifecycle: bool = True
     #: Seconds of an ``X-KV-Next-Use`` hint from which the session counts as idle.
     idle_after: float = 10.0
+    #: Headers that name a request's session, first found wins (see
+    #: ``core/session_headers.py``); a ``session_id`` in the body comes first either way.
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -59,7 +64,18 @@ class Settings:
             dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
             max_body_bytes=_positive_int(env, "VLLM_AFFINITY_MAX_BODY_BYTES", 32 * 1024 * 1024),
+            session_headers=_header_list(env, "VLLM_AFFINITY_SESSION_HEADERS"),
         )
+
+
+def _header_list(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    raw = env.get(name)
+    if raw is None:
+        return DEFAULT_SESSION_HEADERS
+    try:
+        return parse_header_list(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -145,3 +145,31 @@ def test_vanilla_vllm_sees_only_the_session_header(vllm_vanilla_server: VLLMServ
     stats = hook.stats()
     assert stats["engines"][server.root_url] == "unsupported"
     assert stats.get("releases.in_request", 0) == 0 and stats.get("releases.ok", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("headers", "session"),
+    [
+        ({"X-Claude-Code-Session-Id": "cc-1", "X-Claude-Code-Agent-Id": "agent-7"}, "cc-1/agent-7"),
+        ({"X-Claude-Code-Session-Id": "cc-2"}, "cc-2"),
+        ({"session-id": "codex-3"}, "codex-3"),
+    ],
+)
+def test_agents_own_session_headers_bind_the_session(
+    vllm_affinity_server: VLLMServer, headers: dict[str, str], session: str
+) -> None:
+    """No hook: a coding agent's own session header is enough for the plugin to bind its
+    blocks, so a release naming that session (subagents apart) finds them."""
+    server = vllm_affinity_server
+    messages = history(45)
+    with client(server) as sdk:
+        sdk.messages.create(
+            model=SERVED_NAME, system=SYSTEM, messages=messages, max_tokens=2,
+            extra_headers=headers,
+        )  # fmt: skip
+    base = {"api": "messages", "model": SERVED_NAME, "cache_sharing": True, "system": SYSTEM}
+    base |= {"messages": messages, "messages_released_index": 2}
+    other = server.release({**base, "cache_salt": session + "-other"}).json()
+    assert other["status"] == "unknown_session" and other["block_released"] == 0
+    released = server.release({**base, "cache_salt": session}).json()
+    assert released["status"] == "ok" and released["block_released"] > 0

@@ -1,0 +1,55 @@
+"""Pure core: which request header names the session, for agents that never heard of us.
+
+Coding agents and gateways already send a session id of their own. The plugin reads the first
+of an ordered list of headers that a request carries (``VLLM_AFFINITY_SESSION_HEADERS``):
+
+- ``X-Session-ID``: vLLM's own session header, and the hook's;
+- ``X-Claude-Code-Session-Id``: Claude Code (one UUID per session, on every request). Its
+  subagents carry ``X-Claude-Code-Agent-Id`` too; the agent id is appended
+  (``<session>/<agent>``), so each subagent is a session of its own and the lead's cache is
+  never released by a subagent's rewrite;
+- ``session-id``: the Codex CLI;
+- ``X-Session-Affinity``: gateways that pin a conversation to a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
+    "X-Session-ID",
+    "X-Claude-Code-Session-Id",
+    "session-id",
+    "X-Session-Affinity",
+)
+CLAUDE_CODE_SESSION = "x-claude-code-session-id"
+CLAUDE_CODE_AGENT = "x-claude-code-agent-id"
+#: Longest session name taken from a header (longer values are ignored, not truncated).
+MAX_SESSION_LENGTH = 512
+
+
+def parse_header_list(value: str) -> tuple[str, ...]:
+    """``"A, b ,C"`` → ``("A", "b", "C")``; raises ``ValueError`` when no name is left or a
+    name is not a header name."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise ValueError("expected a comma-separated list of header names")
+    bad = [n for n in names if not all(c.isalnum() or c in "-_" for c in n)]
+    if bad:
+        raise ValueError(f"not header names: {bad}")
+    return names
+
+
+def session_from_headers(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
+    """The session a request names in the first of ``names`` it carries (``headers`` must look
+    names up case-insensitively, as Starlette's do), or ``None``."""
+    for name in names:
+        value = (headers.get(name) or "").strip()
+        if not value or len(value) > MAX_SESSION_LENGTH:
+            continue
+        if name.lower() == CLAUDE_CODE_SESSION:
+            agent = (headers.get(CLAUDE_CODE_AGENT) or "").strip()
+            if agent and len(value) + len(agent) < MAX_SESSION_LENGTH:
+                return f"{value}/{agent}"
+        return value
+    return None
