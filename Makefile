@@ -79,7 +79,7 @@ demo: $(MODEL)
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
 ## replicas behind nginx), then the llama-index integration in its own virtualenv
 test: $(MODEL) $(LI) $(OJ) $(OJ16) nginx lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
 
 ## test-client: the client half only (no vLLM needed; nginx for the router tests)
