@@ -2,7 +2,8 @@
 
 ``LocalEngine`` is a real HTTP server on loopback that speaks enough of the OpenAI API for the
 ``openai`` client (``/v1/chat/completions`` and ``/v1/responses``, streamed or not;
-``/v1/models``) and serves
+``/v1/models``), and of the Anthropic Messages API (``/v1/messages``) for the ``anthropic``
+client, and serves
 ``/release_kv_cache``, recording every request. Its release answer can be switched to any status,
 a non-JSON body, a slow answer, or a connection reset mid-response. ``strict=True`` answers 400 to
 any chat field outside the OpenAI API (as the OpenAI API and several gateways do);
@@ -181,7 +182,8 @@ class LocalEngine:
 
     @property
     def chats(self) -> list[RecordedRequest]:
-        """Every model request (``/v1/chat/completions`` and ``/v1/responses``), in order."""
+        """Every model request (``/v1/chat/completions``, ``/v1/responses`` and
+        ``/v1/messages``), in order."""
         with self._records.lock:
             return list(self._records.chats)
 
@@ -296,6 +298,10 @@ class _Handler(BaseHTTPRequestHandler):
             with self.records.lock:
                 self.records.chats.append(request)
             self._response(request)
+        elif self.path.partition("?")[0] == "/v1/messages":
+            with self.records.lock:
+                self.records.chats.append(request)
+            self._message(request)
         elif self.path == "/v1/chat/completions":
             with self.records.lock:
                 self.records.chats.append(request)
@@ -337,7 +343,7 @@ class _Handler(BaseHTTPRequestHandler):
         blocks = answer.block_released
         if blocks is None:
             window = len(body.get("messages") or body.get("input") or [])
-            window += 1 if body.get("instructions") else 0
+            window += 1 if body.get("instructions") or body.get("system") else 0
             blocks = max(0, window - int(body.get("messages_released_index") or 0))
         capabilities = CAPABILITIES if self.records.in_request else None
         receipt = ReleaseReceipt(block_released=blocks, capabilities=capabilities)
@@ -409,6 +415,39 @@ class _Handler(BaseHTTPRequestHandler):
         payload = "".join(
             f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': i, **data})}\n\n"
             for i, (kind, data) in enumerate(events)
+        )
+        self._send(200, payload.encode(), "text/event-stream")
+
+
+    def _message(self, request: RecordedRequest) -> None:
+        """An Anthropic Messages answer: a JSON message, or its event stream."""
+        body = request.body if isinstance(request.body, dict) else {}
+        text = f"{self.reply} ({len(body.get('messages') or [])} messages)"
+        usage = {"input_tokens": 1, "output_tokens": 1}
+        message = {
+            "id": "msg_local",
+            "type": "message",
+            "role": "assistant",
+            "model": str(body.get("model", "local")),
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        if not body.get("stream"):
+            self._send(200, json.dumps(message).encode())
+            return
+        events = [
+            ("message_start", {"message": {**message, "content": [], "stop_reason": None}}),
+            ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}),
+            ("content_block_stop", {"index": 0}),
+            ("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": usage}),
+            ("message_stop", {}),
+        ]
+        payload = "".join(
+            f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+            for kind, data in events
         )
         self._send(200, payload.encode(), "text/event-stream")
 

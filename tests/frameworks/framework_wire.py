@@ -10,9 +10,12 @@ from jiuwen_hooks.testing import LocalEngine, RecordedRequest
 
 
 def window_of(request: RecordedRequest) -> list[Any]:
-    """The window a request sent, as the wire shows it: chat ``messages``, or Responses
-    ``instructions`` (as item 0) and ``input``."""
+    """The window a request sent, as the wire shows it: chat ``messages``, Responses
+    ``instructions`` (as item 0) and ``input``, or Anthropic ``system`` (item 0) and
+    ``messages``."""
     body = request.body
+    if request.path.startswith("/v1/messages"):  # Anthropic: system is item 0
+        return ([{"system": body["system"]}] if body.get("system") else []) + body["messages"]
     if "messages" in body:
         return list(body["messages"])
     items = body["input"]
