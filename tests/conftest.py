@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 import openai
 import pytest
 
+import jiuwen_hooks
 from jiuwen_hooks.testing import LocalEngine
 
 
@@ -31,3 +32,11 @@ def call(request: pytest.FixtureRequest, jiuwen_engine: LocalEngine) -> Iterator
     caller = Caller(request.param, jiuwen_engine.base_url)
     yield caller
     caller.close()
+
+
+@pytest.fixture
+def clean_hook() -> Iterator[None]:
+    """No hook installed when the test starts, none left behind when it ends (failed or not)."""
+    jiuwen_hooks.uninstall()
+    yield
+    jiuwen_hooks.uninstall()

@@ -6,7 +6,6 @@ releases get vLLM's 400."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,16 +16,9 @@ import jiuwen_hooks
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_text
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("clean_hook")]
 
 INSTRUCTIONS = "You are a research agent."
-
-
-@pytest.fixture(autouse=True)
-def clean() -> Iterator[None]:
-    jiuwen_hooks.uninstall()
-    yield
-    jiuwen_hooks.uninstall()
 
 
 def history(seed: int) -> list[dict[str, Any]]:
