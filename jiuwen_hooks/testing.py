@@ -418,7 +418,6 @@ class _Handler(BaseHTTPRequestHandler):
         )
         self._send(200, payload.encode(), "text/event-stream")
 
-
     def _message(self, request: RecordedRequest) -> None:
         """An Anthropic Messages answer: a JSON message, or its event stream."""
         body = request.body if isinstance(request.body, dict) else {}

@@ -71,13 +71,14 @@ def summarize(result: RunResult) -> dict[str, Any]:
     }
     if result.target.hooked:
         summary["engine_state"] = hook.get("engine_state")
+        in_request, post = hook.get("releases.in_request", 0), hook.get("releases.ok", 0)
+        total = hook.get("releases.total", 0)
         summary["releases"] = {
-            "in_request": hook.get("releases.in_request", 0),
-            "post": hook.get("releases.ok", 0),
-            "failed": sum(
-                v for k, v in hook.items() if k.startswith("releases.") and k.endswith("failed")
-            ),
-            "total": hook.get("releases.total", 0),
+            "in_request": in_request,
+            "post": post,
+            # refused (a server without the plugin answers 404), failed or dropped
+            "not_applied": total - in_request - post,
+            "total": total,
         }
     errors = [c.error for c in result.calls if c.error]
     if errors:
