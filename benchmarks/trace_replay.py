@@ -9,8 +9,10 @@ replay`` runs), the simulator beside it:
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
 - ``release``: the plugin with its lifecycle off, the hook releasing in the request (LRU +
   release);
-- ``lifecycle``: the plugin as shipped, the hook also telling each session's next call time
-  from the trace (``X-KV-Next-Use``) (lifecycle).
+- ``lifecycle``: the plugin as shipped, told what a real model's finish reasons would say
+  (``X-KV-Next-Use``: a call whose subagents run next, or a tool call, keeps its session live; a
+  finished turn or task makes it idle) (lifecycle);
+- ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace.
 
     python benchmarks/trace_replay.py --traces agentinfer,mooncake=/path/conversation_trace.jsonl
     python benchmarks/trace_replay.py --quick        # CI: the synthetic trace in all 4 formats
@@ -56,12 +58,14 @@ class Scenario:
     name: str
     plugin: bool
     lifecycle: bool
+    next_use: str = "none"  # what the hook tells the plugin of each call's end
 
 
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("release", plugin=True, lifecycle=False),
-    Scenario("lifecycle", plugin=True, lifecycle=True),
+    Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
+    Scenario("lifecycle-gap", plugin=True, lifecycle=True, next_use="gap"),
 )
 
 
@@ -82,7 +86,7 @@ def run_scenario(
     cores: str,
 ) -> dict[str, Any]:
     env = {"VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false"}
-    options = dataclasses.replace(options, next_use_hint=scenario.lifecycle)
+    options = dataclasses.replace(options, next_use=scenario.next_use)
     with VLLMServer(
         plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
         max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
@@ -120,7 +124,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         blocks = max(math.ceil(fraction * working), longest + 1) + 1
         say(f"  pool {fraction}x of {working} blocks: {blocks} blocks")
         pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
-        for scenario in SCENARIOS:
+        for scenario in scenarios(args.scenarios):
             pool["scenarios"][scenario.name] = run_scenario(
                 trace, scenario, blocks, options, tokens, args.cores
             )
@@ -166,6 +170,14 @@ def traces(spec: str, args: argparse.Namespace, workdir: Path) -> list[Trace]:
     return out
 
 
+def scenarios(names: str) -> list[Scenario]:
+    known = {s.name: s for s in SCENARIOS}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {unknown}; expected some of {list(known)}")
+    return [known[n] for n in names.split(",")]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Scale {result['scale']:g}, speed {result['speed'] or 'one call at a time'}, "
@@ -178,7 +190,7 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["traces"]:
         t = row["trace"]
         for pool in row["pools"]:
-            base = pool["scenarios"]["vanilla"]["computed_tokens"] or 0
+            base = pool["scenarios"].get("vanilla", {}).get("computed_tokens") or 0
             for name, s in pool["scenarios"].items():
                 sim = s.get("simulator") or {}
                 rel = s.get("releases") or {}
@@ -204,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--limit", type=int, help="the first N calls of each trace")
     parser.add_argument("--cores", default="0", help="the model worker's cores")
+    parser.add_argument(
+        "--scenarios", default="vanilla,release,lifecycle,lifecycle-gap",
+        help="which, in the order they run (vanilla first: the others are compared with it)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="CI: synthetic, 4 formats, 0.5x")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")

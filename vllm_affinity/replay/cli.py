@@ -22,6 +22,7 @@ from .compare import compare, say
 from .formats import FORMATS, WRITERS, TraceFormatError, agentinfer_trace_path, read_trace
 from .runner import ReplayOptions, Target
 from .synthetic import SyntheticConfig, generate
+from .trace import SIGNALS
 
 
 def _positive(kind: type) -> object:
@@ -56,8 +57,10 @@ def replay_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=_positive(int), help="replay the first N calls only")
     parser.add_argument("--rounds", type=_positive(int), default=1)
     parser.add_argument(
-        "--next-use-hint", action="store_true",
-        help="tell the plugin each session's next call time (X-KV-Next-Use, from the trace)",
+        "--next-use", choices=SIGNALS, default="none",
+        help="what the hooked side tells the plugin of each call's end (X-KV-Next-Use): "
+        "gap: the trace's time to the session's next call; finish: what a real model's "
+        "finish reason would say (tool call, subagents running: live; turn or task over: idle)",
     )  # fmt: skip
     parser.add_argument(
         "--end-sessions", action="store_true", help="end each session after its last call"
@@ -96,7 +99,7 @@ def replay_main(argv: list[str]) -> int:
         concurrency=args.concurrency,
         max_output_tokens=args.max_output_tokens,
         ignore_eos=not args.no_ignore_eos,
-        next_use_hint=args.next_use_hint,
+        next_use=args.next_use,
         end_sessions=args.end_sessions,
         progress=not args.quiet,
     )

@@ -20,7 +20,7 @@ import httpx
 
 from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, run, windows
 from .simulator import CapacityError, Request, simulate
-from .trace import Trace, next_call_gaps
+from .trace import Trace, next_call_gaps, next_use_hints
 
 
 def say(text: str) -> None:
@@ -125,23 +125,26 @@ def tokenize(
 
 def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
     """How the plugin sees each call end, as the simulator's ``finish``: a replayed call is cut
-    at its token budget (``length``: no signal), so only the hint says idle (``stop``) or
-    live (``tool_calls``)."""
+    at its token budget (``length``: no signal), so only the hint says idle (``stop``) or live
+    (``tool_calls``); a session the replay ends after its last call is ``end``."""
+    hints = next_use_hints(trace.requests, options.next_use, IDLE_AFTER_S, options.speed)
+    gaps = next_call_gaps(trace.requests)
     out = []
-    for gap in next_call_gaps(trace.requests):
-        if gap is None:  # a session's last call: no hint goes with it
-            out.append("end" if options.end_sessions else "tool_calls")
-        elif not options.next_use_hint:
-            out.append("tool_calls")  # no signal: the plugin keeps the session live
+    for hint, gap in zip(hints, gaps, strict=True):
+        if gap is None and options.end_sessions:
+            out.append("end")
+        elif hint is not None and hint >= IDLE_AFTER_S:
+            out.append("stop")
         else:
-            out.append("stop" if gap / max(options.speed, 1.0) >= IDLE_AFTER_S else "tool_calls")
+            out.append("tool_calls")
     return out
 
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
     if summary.get("engine_state") not in ("in_request", "post"):
         return "lru"  # no plugin answered: vanilla's policy
-    return "lifecycle" if options.next_use_hint or options.end_sessions else "lru_release"
+    lifecycle = options.next_use != "none" or options.end_sessions
+    return "lifecycle" if lifecycle else "lru_release"
 
 
 def simulated(

@@ -26,7 +26,7 @@ import openai
 import jiuwen_hooks
 
 from .prompts import WindowBuilder
-from .trace import Trace, next_call_gaps
+from .trace import Trace, next_call_gaps, next_use_hints
 
 #: Seconds to the next call at or above which the plugin counts a session as idle (the plugin's
 #: ``VLLM_AFFINITY_IDLE_AFTER_S`` default).
@@ -59,9 +59,9 @@ class ReplayOptions:
     max_output_tokens: int | None = None
     #: Send vLLM's ``ignore_eos`` so each call generates as many tokens as the trace's.
     ignore_eos: bool = True
-    #: Hooked runs tell the plugin when each session's next call comes (``X-KV-Next-Use``,
-    #: from the trace's own gaps: what an agent that knows its schedule would say).
-    next_use_hint: bool = False
+    #: What hooked runs tell the plugin about each call's end (``X-KV-Next-Use``): one of
+    #: ``trace.SIGNALS`` (``none``, ``gap``, ``finish``).
+    next_use: str = "none"
     #: Hooked runs end each session after its last call (``jiuwen_hooks.end_session``).
     end_sessions: bool = False
     timeout: float = 600.0
@@ -188,6 +188,7 @@ async def _replay(
 ) -> None:
     requests = trace.requests
     gaps = next_call_gaps(requests)
+    hints = next_use_hints(requests, options.next_use, IDLE_AFTER_S, options.speed)
     by_session: dict[str, list[int]] = {}
     for index, request in enumerate(requests):
         by_session.setdefault(request.session, []).append(index)
@@ -206,9 +207,8 @@ async def _replay(
         with ExitStack() as stack:
             if target.hooked:
                 stack.enter_context(jiuwen_hooks.session(request.session))
-                gap = gaps[index]
-                if options.next_use_hint and gap is not None:
-                    stack.enter_context(jiuwen_hooks.next_use(gap / max(options.speed, 1.0)))
+                if hints[index] is not None:
+                    stack.enter_context(jiuwen_hooks.next_use(hints[index]))
             await _one(client, options, record, prompts[index], request.output_tokens)
         record.done = time.monotonic() - start
         if target.hooked and options.end_sessions and gaps[index] is None:

@@ -11,6 +11,7 @@ Pure: no I/O here (the readers are in ``formats.py``).
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -112,3 +113,52 @@ def next_call_gaps(requests: Sequence[TraceRequest]) -> list[float | None]:
             gaps[before] = max(0.0, request.at - requests[before].at)
         last[request.session] = index
     return gaps
+
+
+#: How a replay tells the plugin what each call's end means for its session (``X-KV-Next-Use``):
+#: ``none``: nothing (a replayed call ends at its token budget, which says nothing either);
+#: ``gap``: the seconds until the session's next call in the trace (an agent that knows its
+#: schedule); ``finish``: what a real model's finish reason would tell (see ``next_use_hints``).
+SIGNALS = ("none", "gap", "finish")
+#: A hint that the session is done for a long while (its turn or its task ended).
+LONG_IDLE_S = 3600.0
+
+
+def next_use_hints(
+    requests: Sequence[TraceRequest], signal: str, idle_after: float, speed: float = 1.0
+) -> list[float | None]:
+    """The ``X-KV-Next-Use`` seconds each call carries (None: no header).
+
+    ``finish`` mirrors the finish reasons a real agent's calls end with: a call followed by its
+    subagents' calls before its session's next one asked for a tool (the subagent: ``tool_use``
+    → live, 0); a session's last call ended its task (``end_turn`` → idle); a call whose session
+    comes back only after ``idle_after`` seconds of the trace's clock waited on its user
+    (``end_turn`` → idle); any other call ran a tool (live)."""
+    if signal not in SIGNALS:
+        raise ValueError(f"unknown signal {signal!r}; expected one of {SIGNALS}")
+    scale = max(speed, 1.0)
+    gaps = next_call_gaps(requests)
+    if signal == "none":
+        return [None] * len(requests)
+    if signal == "gap":
+        return [None if g is None else g / scale for g in gaps]
+    children: dict[str, list[int]] = {}
+    following: dict[int, int] = {}
+    last: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        if request.parent is not None:
+            children.setdefault(request.parent, []).append(index)
+        if request.session in last:
+            following[last[request.session]] = index
+        last[request.session] = index
+    hints: list[float | None] = []
+    for index, request in enumerate(requests):
+        after = following.get(index)
+        if after is None:
+            hints.append(LONG_IDLE_S)
+            continue
+        calls = children.get(request.session, [])
+        waits_on_children = bisect.bisect_right(calls, index) < bisect.bisect_left(calls, after)
+        gap = (requests[after].at - request.at) / scale
+        hints.append(gap if gap >= idle_after and not waits_on_children else 0.0)
+    return hints
