@@ -28,8 +28,8 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def replay(args: list[str], out: Path, name: str) -> dict:
-    common = ["--model", "tiny", "--scale", "0.125", "--max-output-tokens", "4", "--quiet"]
+def replay(args: list[str], out: Path, name: str, scale: str = "0.125") -> dict:
+    common = ["--model", "tiny", "--scale", scale, "--max-output-tokens", "4", "--quiet"]
     code = main(["replay", *args, *common, "--out", str(out), "--name", name, "--no-plot"])
     assert code == 0
     assert (out / f"{name}.md").read_text().count("\n| ") >= 2
@@ -97,6 +97,30 @@ def test_one_url_alternates_with_and_without_the_hook(
     assert all(r["releases"]["not_applied"] <= 1 for r in hooked)
     rates = {r["hit_rate"] for r in result["runs"]}
     assert max(rates) - min(rates) <= 0.02, rates  # concurrent calls: a little order noise
+
+
+def test_lifecycle_signals_agree_with_the_simulator(
+    traces: dict[str, Path],
+    vllm_affinity_server,
+    tmp_path: Path,
+) -> None:
+    """The plugin's session lifecycle (on in the shared server) acting on ``--next-use
+    finish``: idle sessions' blocks go first, as the simulator's ``lifecycle`` policy says."""
+    result = replay(
+        [
+            "--trace", str(traces["agentx"]), "--format", "agentx", "--speed", "0",
+            "--api-key", vllm_affinity_server.api_key, "--next-use", "finish",
+            "--base-url", vllm_affinity_server.base_url,
+        ],
+        tmp_path,
+        "lifecycle",
+        scale="0.5",  # prompts of up to ~1,100 tokens: more than the 96-block pool holds
+    )  # fmt: skip
+    hooked = next(r for r in result["runs"] if r["hooked"])
+    assert hooked["simulator"]["infinite"] > hooked["simulator"]["belady"]  # under pressure
+    assert hooked["simulator"]["policy"] == "lifecycle"
+    assert abs(hooked["simulator"]["sim_minus_real"]) <= 0.01, hooked["simulator"]
+    assert result["options"]["next_use"] == "finish"
 
 
 def test_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
