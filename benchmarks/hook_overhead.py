@@ -1,8 +1,9 @@
-"""Hook overhead per model call on append-only turns, hooked vs unhooked, side by side, for both
-APIs (Chat Completions and Responses).
+"""Hook overhead per model call on append-only turns, hooked vs unhooked, side by side, for the
+three APIs (Chat Completions and Responses through the openai SDK, Messages through the
+anthropic SDK).
 
-Both sides run in one process against the same loopback ``LocalEngine`` with the real openai
-client, in alternating rounds (so machine noise hits both alike); the figure is the ratio of
+Both sides run in one process against the same loopback ``LocalEngine`` with the real SDK
+clients, in alternating rounds (so machine noise hits both alike); the figure is the ratio of
 median per-call times. The pure diff cost (``Hook.before_call``) is timed separately to show
 that it grows linearly with the window.
 
@@ -18,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+import anthropic
 import openai
 
 import jiuwen_hooks
@@ -25,7 +27,7 @@ from jiuwen_hooks._context import ModelCall
 from jiuwen_hooks.testing import LocalEngine
 from vllm_affinity.replay.output import write_json
 
-APIS = ("chat", "responses")
+APIS = ("chat", "responses", "messages")
 
 SIZES = (10, 100, 1000)
 CALLS = {10: 200, 100: 200, 1000: 60}
@@ -44,6 +46,8 @@ def body(api: str, msgs: list[dict[str, str]]) -> dict[str, Any]:
     ``instructions`` and the rest as ``input`` items."""
     if api == "chat":
         return {"model": "m", "messages": msgs, "max_tokens": 1}
+    if api == "messages":  # Anthropic: the system prompt apart, as Responses' instructions
+        return {"model": "m", "system": msgs[0]["content"], "messages": msgs[1:], "max_tokens": 1}
     return {
         "model": "m",
         "instructions": msgs[0]["content"],
@@ -52,10 +56,18 @@ def body(api: str, msgs: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
-def one_round(client: openai.OpenAI, api: str, n: int, calls: int, session: str) -> float:
+Clients = tuple[openai.OpenAI, anthropic.Anthropic]
+
+
+def one_round(clients: Clients, api: str, n: int, calls: int, session: str) -> float:
     """Median seconds per call over ``calls`` append-only turns starting at ``n`` messages."""
     msgs = window(n)
-    send = client.chat.completions.create if api == "chat" else client.responses.create
+    openai_client, anthropic_client = clients
+    send: Any = {
+        "chat": openai_client.chat.completions.create,
+        "responses": openai_client.responses.create,
+        "messages": anthropic_client.messages.create,
+    }[api]
     times = []
     with jiuwen_hooks.session(session):
         for i in range(calls):
@@ -87,9 +99,7 @@ def diff_cost(api: str, n: int, repeats: int = 300) -> float:
     return total / repeats
 
 
-def measure(
-    client: openai.OpenAI, engine: LocalEngine, api: str, n: int, rounds: int
-) -> dict[str, Any]:
+def measure(clients: Clients, engine: LocalEngine, api: str, n: int, rounds: int) -> dict[str, Any]:
     """Alternating rounds, unhooked first in even rounds and hooked first in odd ones."""
     plain: list[float] = []
     hooked: list[float] = []
@@ -99,7 +109,7 @@ def measure(
                 jiuwen_hooks.install(in_request=False)
             try:
                 side = hooked if hook_on else plain
-                side.append(one_round(client, api, n, CALLS[n], f"{hook_on}-{api}-{n}-{r}"))
+                side.append(one_round(clients, api, n, CALLS[n], f"{hook_on}-{api}-{n}-{r}"))
             finally:
                 jiuwen_hooks.uninstall()
         engine.clear()
@@ -119,17 +129,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/hook_overhead.json")
+    parser.add_argument("--apis", default=",".join(APIS))
     args = parser.parse_args()
     results: dict[str, Any] = {"rounds": args.rounds, "apis": {}}
     with (
         LocalEngine() as engine,
-        openai.OpenAI(base_url=engine.base_url, api_key="k", max_retries=0) as client,
+        openai.OpenAI(base_url=engine.base_url, api_key="k", max_retries=0) as openai_client,
+        anthropic.Anthropic(base_url=engine.root_url, api_key="k", max_retries=0) as claude,
     ):
-        for api in APIS:
-            one_round(client, api, 10, 20, "warm-up")
+        clients = (openai_client, claude)
+        for api in args.apis.split(","):
+            one_round(clients, api, 10, 20, "warm-up")
             sizes = results["apis"][api] = {}
             for n in SIZES:
-                sizes[n] = measure(client, engine, api, n, args.rounds)
+                sizes[n] = measure(clients, engine, api, n, args.rounds)
                 print(f"{api:>9} window {n:>4}: {json.dumps(sizes[n])}", flush=True)
     write_json(args.out, results, echo=False)
     print(f"wrote {args.out}")
