@@ -79,14 +79,20 @@ def responses_window(body: Mapping[str, Any]) -> Window | str | None:
 
 
 def without_cache_control(value: Any) -> Any:
-    """``value`` as plain JSON with every ``cache_control`` key removed (Anthropic's prompt
-    caching markers, which the prompt's tokens do not depend on)."""
-    value = to_plain(value)
-    if isinstance(value, dict):
-        return {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
-    if isinstance(value, list):
+    """``value`` as plain JSON (as ``to_plain``) with every ``cache_control`` key removed
+    (Anthropic's prompt caching markers, which the prompt's tokens do not depend on). One pass:
+    strings are shared, not copied."""
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {
+            str(k): without_cache_control(v)
+            for k, v in value.items()
+            if v is not None and k != "cache_control"
+        }
+    if isinstance(value, list | tuple):
         return [without_cache_control(v) for v in value]
-    return value
+    return without_cache_control(to_plain(value))  # SDK objects: dumped once, then as above
 
 
 def messages_window(body: Mapping[str, Any]) -> Window | None:
