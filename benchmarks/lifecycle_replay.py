@@ -59,7 +59,7 @@ from agent_bench import (
 from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
 
 import jiuwen_hooks
-from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.output import named, write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
@@ -227,12 +227,8 @@ def run_pool(
 
 
 def scenarios(names: str) -> list[Scenario]:
-    """The scenarios named (comma-separated), in that order: the order they run in."""
-    known = {s.name: s for s in SCENARIOS}
-    unknown = [n for n in names.split(",") if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown scenario(s) {unknown}; expected some of {list(known)}")
-    return [known[n] for n in names.split(",")]
+    """The scenarios named (comma-separated), in the order they run in."""
+    return named(SCENARIOS, names)
 
 
 def markdown(result: dict[str, Any]) -> str:

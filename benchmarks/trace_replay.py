@@ -42,7 +42,7 @@ from vllm_affinity.replay.formats import (
     write_agentx,
     write_project,
 )
-from vllm_affinity.replay.output import write_outputs
+from vllm_affinity.replay.output import named, write_outputs
 from vllm_affinity.replay.runner import ReplayOptions, Target, run, windows
 from vllm_affinity.replay.simulator import Request, working_set
 from vllm_affinity.replay.synthetic import SyntheticConfig, generate
@@ -171,11 +171,8 @@ def traces(spec: str, args: argparse.Namespace, workdir: Path) -> list[Trace]:
 
 
 def scenarios(names: str) -> list[Scenario]:
-    known = {s.name: s for s in SCENARIOS}
-    unknown = [n for n in names.split(",") if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown scenario(s) {unknown}; expected some of {list(known)}")
-    return [known[n] for n in names.split(",")]
+    """The scenarios named (comma-separated), in the order they run in."""
+    return named(SCENARIOS, names)
 
 
 def markdown(result: dict[str, Any]) -> str:

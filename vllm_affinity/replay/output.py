@@ -9,9 +9,18 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+
+class _HasName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Named = TypeVar("Named", bound=_HasName)
 
 
 def _package(name: str) -> str | None:
@@ -97,3 +106,13 @@ def write_outputs(
         plot(result, out / f"{stem}.png")
     print(markdown)
     print(f"wrote {out / stem}.json, .md{', .png' if plot else ''}", file=sys.stderr, flush=True)
+
+
+def named(items: Sequence[Named], names: str, what: str = "scenario") -> list[Named]:
+    """The ``items`` named in ``names`` (comma-separated), in that order (the order they run
+    in); a name that is none of them stops the run with the known ones."""
+    known = {item.name: item for item in items}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}(s) {unknown}; expected some of {list(known)}")
+    return [known[n] for n in names.split(",")]
