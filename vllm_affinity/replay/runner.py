@@ -224,15 +224,48 @@ async def _replay(
             async with limit:
                 await call(index)
 
+    stats = httpx.AsyncClient(
+        base_url=target.root_url,
+        timeout=10,
+        headers={"Authorization": f"Bearer {options.api_key}"},
+    )
     try:
         if options.speed <= 0:
             for index in range(len(requests)):
+                idle = target.hooked and (hints[index] or 0.0) >= IDLE_AFTER_S
+                before = await _idles(stats) if idle else None
                 await call(index)
+                if before is not None:  # one call at a time: let the idle land, as modelled
+                    await _settle(stats, before)
         else:
             await asyncio.gather(*(session(ix) for ix in by_session.values()))
     finally:
         await client.close()
+        await stats.aclose()
     result.wall_s = time.monotonic() - start
+
+
+async def _idles(stats: httpx.AsyncClient) -> int | None:
+    """Idle signals the plugin's engines applied so far; None where there is no plugin."""
+    try:
+        response = await stats.get("/affinity/stats")
+        engines = response.json()["engines"] if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(engines, list):
+        return None
+    return sum(int(e.get("idles", 0)) for e in engines if isinstance(e, dict))
+
+
+async def _settle(stats: httpx.AsyncClient, before: int, timeout: float = 2.0) -> None:
+    """Wait (at most ``timeout``) until the plugin applied the idle signal of the call just
+    answered: it goes to the engine after the answer, and the next call must find it there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = await _idles(stats)
+        if now is None or now > before:
+            return
+        await asyncio.sleep(0.01)
 
 
 def run(
