@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, run, windows
+from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, metrics_text, run, windows
 from .simulator import CapacityError, Request, simulate
 from .trace import Trace, next_call_gaps, next_use_hints
 
@@ -88,13 +88,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 def pool_of(root_url: str, api_key: str) -> tuple[int, int] | None:
     """(KV blocks, block size) from vLLM's ``cache_config_info`` metric, where it answers."""
-    try:
-        text = httpx.get(
-            root_url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
-        ).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
+    text = metrics_text(root_url, api_key)
+    for line in (text or "").splitlines():
         if line.startswith("vllm:cache_config_info{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             try:

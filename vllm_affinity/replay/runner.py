@@ -12,7 +12,6 @@ the server runs the plugin (in-request release), takes the POST, or neither.
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,13 +23,15 @@ import httpx
 import openai
 
 import jiuwen_hooks
+from jiuwen_hooks._release import engine_root
 
+from ..settings import Settings
 from .prompts import WindowBuilder
 from .trace import Trace, next_call_gaps, next_use_hints
 
 #: Seconds to the next call at or above which the plugin counts a session as idle (the plugin's
 #: ``VLLM_AFFINITY_IDLE_AFTER_S`` default).
-IDLE_AFTER_S = 10.0
+IDLE_AFTER_S = Settings.idle_after
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Target:
 
     @property
     def root_url(self) -> str:
-        return re.sub(r"/v1/?$", "", self.base_url.rstrip("/"))
+        """The engine root, as the hook keys what it learns per engine."""
+        return engine_root(self.base_url)
 
 
 @dataclass(frozen=True)
@@ -106,19 +108,25 @@ def windows(trace: Trace, options: ReplayOptions, nonce: int) -> list[list[dict[
     return [builder.window(r.blocks) for r in trace.requests]
 
 
-def prefix_counters(root_url: str, api_key: str) -> tuple[float, float] | None:
-    """vLLM's prefix-cache hit and query token counters, or None where ``/metrics`` is absent."""
+def metrics_text(root_url: str, api_key: str) -> str | None:
+    """The server's Prometheus ``/metrics`` page, or None where it does not answer."""
     try:
         response = httpx.get(
             root_url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
         )
     except httpx.HTTPError:
         return None
-    if response.status_code != 200:
+    return response.text if response.status_code == 200 else None
+
+
+def prefix_counters(root_url: str, api_key: str) -> tuple[float, float] | None:
+    """vLLM's prefix-cache hit and query token counters, or None where ``/metrics`` is absent."""
+    text = metrics_text(root_url, api_key)
+    if text is None:
         return None
     totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
     seen = False
-    for line in response.text.splitlines():
+    for line in text.splitlines():
         name = line.partition("{")[0].partition(" ")[0]
         if name in totals:
             totals[name] += float(line.rpartition(" ")[2])
