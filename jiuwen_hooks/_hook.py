@@ -344,8 +344,7 @@ class Hook:
             self._patches.wrap(sdk.client_module, sdk.sync_request, request_wrapper(self))
             self._patches.wrap(sdk.client_module, sdk.async_request, async_request_wrapper(self))
             for module, method, argument in sdk.caller_methods:
-                is_async = method.startswith("Async")
-                self._patches.wrap(module, method, caller_list_wrapper(self, argument, is_async))
+                self._patches.wrap(module, method, caller_list_wrapper(self, argument))
         for dotted in self.options.compressors:
             module, attribute = parse_dotted(dotted)
             found = resolve(module, attribute)

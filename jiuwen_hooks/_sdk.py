@@ -16,6 +16,7 @@ note is missing and nothing else changes.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -159,27 +160,30 @@ def async_request_wrapper(hook: Any) -> Wrapper:
     return wrapper
 
 
-def caller_list_wrapper(hook: Any, argument: str, is_async: bool) -> Wrapper:
-    """Note the caller's own list object for the duration of the call."""
+def caller_list_wrapper(hook: Any, argument: str) -> Wrapper:
+    """Note the caller's own list object for the duration of the call: while the method runs
+    and, when it returns a coroutine (an async ``create``), while that is awaited. What it
+    returns otherwise (a stream manager, whose request starts later) is passed on unchanged."""
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         value = kwargs.get(argument)
         if not hook.active or not isinstance(value, list):
             return wrapped(*args, **kwargs)
-        if is_async:
-
-            async def call() -> Any:
-                token = _caller_list.set(value)
-                try:
-                    return await wrapped(*args, **kwargs)
-                finally:
-                    _caller_list.reset(token)
-
-            return call()
         token = _caller_list.set(value)
         try:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
         finally:
             _caller_list.reset(token)
+        if not inspect.iscoroutine(result):
+            return result
+
+        async def call() -> Any:
+            token = _caller_list.set(value)
+            try:
+                return await result
+            finally:
+                _caller_list.reset(token)
+
+        return call()
 
     return wrapper

@@ -79,6 +79,22 @@ async def test_async_client(engine: LocalEngine) -> None:
     assert [r.body["messages_released_index"] for r in engine.releases] == [2]
 
 
+async def test_async_stream_manager_is_passed_through(engine: LocalEngine) -> None:
+    """``AsyncMessages.stream`` returns its manager synchronously: the hook must not turn it
+    into a coroutine (``async with`` would fail in the agent)."""
+    jiuwen_hooks.install()
+    async with anthropic.AsyncAnthropic(
+        base_url=engine.root_url, api_key="sk-test", max_retries=0
+    ) as client:
+        with jiuwen_hooks.session("anthropic-async-stream"):
+            for messages in (FIRST, COMPACTED):
+                async with client.messages.stream(
+                    model="m", system=SYSTEM, messages=messages, max_tokens=8
+                ) as stream:
+                    await stream.get_final_message()
+    assert [r.body["messages_released_index"] for r in engine.releases] == [2]
+
+
 def test_metadata_user_id_by_resolver_only(engine: LocalEngine) -> None:
     jiuwen_hooks.install(session_resolver=lambda kw: (kw.get("metadata") or {}).get("user_id"))
     client = sdk(engine)
