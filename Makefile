@@ -19,7 +19,7 @@ OJ        := $(OJ_VENV)/.installed
 OJ16_VENV := .venv-openjiuwen016
 OJ16      := $(OJ16_VENV)/.installed
 
-.PHONY: nginx demo test test-bench test-client lint format bench bench-client bench-server bench-agents \
+.PHONY: nginx demo test test-long test-bench test-client lint format bench bench-client bench-server bench-agents \
 	bench-fleet model clean
 
 $(DEV): pyproject.toml
@@ -81,6 +81,10 @@ demo: $(MODEL)
 test: $(MODEL) $(LI) $(OJ) $(OJ16) nginx lint
 	$(PY) -m pytest --durations=25
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
+
+## test-long: the minutes-long runs make test skips (the 150 s soak, two replicas behind nginx)
+test-long: $(MODEL) nginx
+	JIUWEN_LONG=1 $(PY) -m pytest -m long
 
 ## test-bench: the benchmark scripts' own pipeline runs (servers of their own; ~5 minutes)
 test-bench: $(MODEL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 
 import openai
@@ -40,3 +41,14 @@ def clean_hook() -> Iterator[None]:
     jiuwen_hooks.uninstall()
     yield
     jiuwen_hooks.uninstall()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` (the soak, the two-replica fleet) run with ``JIUWEN_LONG=1``
+    (``make test-long``) and are skipped otherwise, to keep ``make test`` under 20 minutes."""
+    if os.environ.get("JIUWEN_LONG"):
+        return
+    skip = pytest.mark.skip(reason="long run: JIUWEN_LONG=1 (make test-long)")
+    for item in items:
+        if item.get_closest_marker("long"):
+            item.add_marker(skip)

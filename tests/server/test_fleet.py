@@ -14,7 +14,7 @@ from agent_trace import Call, TraceConfig, generate
 
 from vllm_affinity.testing import SERVED_NAME
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 def test_session_routing_keeps_releases_with_their_replica(tmp_path: Path) -> None:

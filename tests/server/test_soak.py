@@ -27,7 +27,7 @@ import pytest
 import jiuwen_hooks
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 SOAK_SECONDS = float(os.environ.get("JIUWEN_SOAK_SECONDS", "150"))
 SEED = int(os.environ.get("JIUWEN_SOAK_SEED", "20261130"))
