@@ -25,14 +25,31 @@ def test_release_returns_blocks_from_the_index_on() -> None:
     assert selection.status == "ok"
 
 
-def test_shared_blocks_are_kept_until_the_last_user_releases() -> None:
+def test_shared_blocks_are_never_released_by_one_session() -> None:
     table = table_with(("a", [1, 2, 3]), ("b", [1, 2, 4]))
     first = table.select_release("a", 0)
     assert first.block_ids == [3] and first.kept_shared == 2
-    second = table.select_release("b", 0)
-    assert second.block_ids == [1, 2, 4]
+    second = table.select_release("b", 0)  # the last holder: still content a used too
+    assert second.block_ids == [4] and second.kept_shared == 2
     assert table.select_release("a", 0).block_ids == []  # a repeated release frees nothing
     assert table.select_release("b", 0).block_ids == []
+
+
+def test_shared_across_time_is_kept_until_reused() -> None:
+    """A subagent's system prompt: the first subagent ends (its release frees it: nobody else
+    used it yet), the next one hits it, and from then on no session's end releases it."""
+    table = table_with(("sub-1", [1, 2, 3]))
+    assert table.select_release("sub-1", 0).block_ids == [1, 2, 3]
+    table.record("sub-2", [1, 2, 5], 96, "r2")  # hits the prompt blocks 1 and 2
+    table.request_finished("sub-2", "r2")
+    assert table.select_idle("sub-2").block_ids == [5]  # shared ones stay out of IDLE too
+    ended = table.select_release("sub-2", 0)
+    assert ended.block_ids == [5] and ended.kept_shared == 2
+    assert table.is_shared(1) and not table.is_shared(5)
+    table.unbind([1])  # reused for new content: the mark goes with the old content
+    assert not table.is_shared(1)
+    table.record("sub-3", [1], 32)
+    assert table.select_release("sub-3", 0).block_ids == [1]
 
 
 def test_reused_block_is_not_released_by_its_old_session() -> None:
@@ -91,10 +108,15 @@ class SessionMachine(RuleBasedStateMachine):
         self.running: set[str] = set()  # sessions whose latest request still runs
         self.order: list[str] = []  # least recently recorded first
         self.requests = 0
+        self.first_holder: dict[tuple[int, int], str] = {}  # (block, generation) → session
+        self.shared: set[tuple[int, int]] = set()  # held by a second session at some time
 
     def _record(self, session: str, request: str, blocks: list[int]) -> None:
         self.table.record(session, blocks, len(blocks) * 32, request)
         self.running.add(session)
+        for b in blocks:
+            if self.first_holder.setdefault((b, self.generation[b]), session) != session:
+                self.shared.add((b, self.generation[b]))
         self.model[session] = (request, [(b, self.generation[b]) for b in blocks], len(blocks))
         if session in self.order:
             self.order.remove(session)
@@ -169,9 +191,10 @@ class SessionMachine(RuleBasedStateMachine):
         dropped = [b for b, g in pairs[first:held] if self.generation[b] == g]
         self.model[session] = (request, pairs, min(held, first))
         after = self._holders()
-        # released exactly the dropped blocks nobody else holds; the others are kept
-        assert sorted(selection.block_ids) == sorted(b for b in dropped if b not in after)
-        assert selection.kept_shared == sum(1 for b in dropped if b in after)
+        # released exactly the dropped blocks nobody else holds or ever held; the others kept
+        kept = [b for b in dropped if b in after or (b, self.generation[b]) in self.shared]
+        assert sorted(selection.block_ids) == sorted(set(dropped) - set(kept))
+        assert selection.kept_shared == len(kept)
         assert all(before[b] >= 1 for b in dropped)
 
     @rule(session=st.sampled_from("abcdef"))

@@ -13,6 +13,12 @@ of the latest request per tracked session, and the table keeps at most ``max_ses
 A release by session S from block index b: S's record stops holding its blocks from b on (what
 a record holds is always a prefix of it); a block no other record holds is returned for release,
 one still held by another session is kept (``kept_shared``).
+
+Shared across time: a block whose current content more than one session has held (at once or
+one after the other: a subagent's system prompt that the next subagent hit) is never returned
+for release or idling, even when no record holds it any more. A session's release says its own
+context is dead; content other sessions have used is not its to declare dead, and the queue's LRU
+order decides for it. The mark lasts until the block is reused for new content.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class SessionBlocks:
         self.latest: OrderedDict[str, SessionRecord] = OrderedDict()
         self._holders: dict[int, int] = {}  # block id → records holding its current content
         self._generation: dict[int, int] = {}  # block id → times reused for new content
+        self._first_holder: dict[int, str] = {}  # block id → first session to hold its content
+        self._shared: set[int] = set()  # blocks whose content a second session has held
         self._max_sessions = max_sessions
         self.bindings = 0  # (session, block) pairs held: the sum of the holder counts
         self.evicted = 0
@@ -78,12 +86,12 @@ class SessionBlocks:
             and len(block_ids) >= old.held
             and old.block_ids == array("i", block_ids[: old.held])
         ):
-            self._hold(old, block_ids[old.held :])
+            self._hold(session, old, block_ids[old.held :])
             old.num_prompt_tokens = num_prompt_tokens
             self.latest.move_to_end(session)
             return
         new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
-        self._hold(new, block_ids)
+        self._hold(session, new, block_ids)
         if old is not None:
             self._let_go(old, 0)
         self.latest[session] = new
@@ -111,6 +119,12 @@ class SessionBlocks:
         for block_id in block_ids:
             self._generation[block_id] = self._generation.get(block_id, 0) + 1
             self.bindings -= self._holders.pop(block_id, 0)
+            self._first_holder.pop(block_id, None)
+            self._shared.discard(block_id)
+
+    def is_shared(self, block_id: int) -> bool:
+        """Whether more than one session has held the block's current content."""
+        return block_id in self._shared
 
     def select_release(self, session: str, first_block: int) -> ReleaseSelection:
         """Blocks to release for ``session`` from block index ``first_block`` of its latest
@@ -132,12 +146,12 @@ class SessionBlocks:
             return ReleaseSelection(status="running")
         own: list[int] = []
         shared = 0
-        holders, generation = self._holders, self._generation
+        holders, generation, shared_blocks = self._holders, self._generation, self._shared
         for i in reversed(range(record.held)):
             block_id = record.block_ids[i]
             if generation.get(block_id, 0) != record.generations[i]:
                 continue  # reused since
-            if holders.get(block_id, 0) == 1:
+            if holders.get(block_id, 0) == 1 and block_id not in shared_blocks:
                 own.append(block_id)
             else:
                 shared += 1
@@ -157,21 +171,23 @@ class SessionBlocks:
         ]
 
     # -- internals ----------------------------------------------------------------------------
-    def _hold(self, record: SessionRecord, block_ids: Sequence[int]) -> None:
-        holders, generation = self._holders, self._generation
+    def _hold(self, session: str, record: SessionRecord, block_ids: Sequence[int]) -> None:
+        holders, generation, first_holder = self._holders, self._generation, self._first_holder
         for block_id in block_ids:
             record.block_ids.append(block_id)
             record.generations.append(generation.get(block_id, 0))
             holders[block_id] = holders.get(block_id, 0) + 1
+            if first_holder.setdefault(block_id, session) != session:
+                self._shared.add(block_id)
         record.held = len(record.block_ids)
         self.bindings += len(block_ids)
 
     def _let_go(self, record: SessionRecord, first: int) -> tuple[list[int], int]:
         """The record stops holding its blocks from index ``first`` on; returns the blocks no
-        record holds any more and how many are still held by others."""
+        record holds any more and no other session has held, and how many are kept for others."""
         released: list[int] = []
         kept = 0
-        holders, generation = self._holders, self._generation
+        holders, generation, shared = self._holders, self._generation, self._shared
         for i in range(first, record.held):
             block_id = record.block_ids[i]
             if generation.get(block_id, 0) != record.generations[i]:
@@ -183,7 +199,10 @@ class SessionBlocks:
                 kept += 1
             else:
                 holders.pop(block_id, None)
-                released.append(block_id)
+                if block_id in shared:
+                    kept += 1
+                else:
+                    released.append(block_id)
         record.held = min(record.held, first)
         return released, kept
 
