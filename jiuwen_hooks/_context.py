@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_affinity.core.hint import HEADER as RELEASE_HEADER
 from vllm_affinity.core.lifecycle import HEADER as NEXT_USE_HEADER
+from vllm_affinity.core.session_headers import PARENT_HEADER
 
 from . import _state
 from ._options import SessionResolver
@@ -27,6 +28,7 @@ SESSION_HEADER = "X-Session-ID"
 
 _current_session: ContextVar[str | None] = ContextVar("jiuwen_hooks_session", default=None)
 _next_use: ContextVar[float | None] = ContextVar("jiuwen_hooks_next_use", default=None)
+_current_parent: ContextVar[str | None] = ContextVar("jiuwen_hooks_parent", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +53,15 @@ class ModelCall:
 
 
 @contextmanager
-def session(session_id: str, *, end_on_exit: bool = False) -> Iterator[str]:
+def session(
+    session_id: str, *, parent: str | None = None, end_on_exit: bool = False
+) -> Iterator[str]:
     """Run model calls (and compressors) inside this block as session ``session_id``.
+
+    ``parent``: the session is a subagent of ``parent`` (``X-Parent-Session-ID``, sent only to
+    engines with the plugin): while it runs, the server keeps the waiting parent's cache after
+    every other session's, and when one of its calls ends its task (``stop``) its own cache is
+    released as dead.
 
     ``end_on_exit``: the block is the whole session (a task run, a closed conversation), so
     leaving it, by any path, ends the session as ``jiuwen_hooks.end_session`` does. Off by
@@ -60,10 +69,16 @@ def session(session_id: str, *, end_on_exit: bool = False) -> Iterator[str]:
     """
     if not isinstance(session_id, str) or not session_id:
         raise ValueError(f"jiuwen_hooks.session() needs a non-empty string, got {session_id!r}")
+    if parent is not None and (not isinstance(parent, str) or not parent or parent == session_id):
+        raise ValueError(
+            f"jiuwen_hooks.session() parent must be another session's id, got {parent!r}"
+        )
     token = _current_session.set(session_id)
+    parent_token = _current_parent.set(parent)
     try:
         yield session_id
     finally:
+        _current_parent.reset(parent_token)
         _current_session.reset(token)
         if end_on_exit:
             hook = _state.installed()
@@ -73,6 +88,11 @@ def session(session_id: str, *, end_on_exit: bool = False) -> Iterator[str]:
 
 def current_session() -> str | None:
     return _current_session.get()
+
+
+def current_parent(session_id: str) -> str | None:
+    """The parent ``session()`` named, when ``session_id`` is the context's session."""
+    return _current_parent.get() if _current_session.get() == session_id else None
 
 
 @contextmanager
@@ -150,9 +170,11 @@ def session_headers(
     release: str | None = None,
     trace: Mapping[str, str] | None = None,
     next_use: float | None = None,
+    parent: str | None = None,
 ) -> dict[str, Any]:
     """A copy of the caller's headers with the session (unless it named one), the expected time
-    to the session's next call (``next_use``, unless the caller set it) and, for an in-request
+    to the session's next call (``next_use``) and its parent (unless the caller set them) and,
+    for an in-request
     release, the release header and the trace context that joins the server's span to the
     release's. The caller's dict is never mutated."""
     out = dict(headers) if isinstance(headers, Mapping) else {}
@@ -160,6 +182,8 @@ def session_headers(
         out[SESSION_HEADER] = session_id
     if next_use is not None and header(out, NEXT_USE_HEADER) is None:
         out[NEXT_USE_HEADER] = f"{next_use:g}"
+    if parent is not None and header(out, PARENT_HEADER) is None:
+        out[PARENT_HEADER] = parent
     if release is not None:
         out[RELEASE_HEADER] = release
         for name, value in (trace or {}).items():

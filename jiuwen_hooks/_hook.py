@@ -32,6 +32,7 @@ from ._compressor import compressor_wrapper, parse_dotted
 from ._context import (
     ModelCall,
     current_next_use,
+    current_parent,
     current_session,
     hashed_with_salt,
     resolve_session,
@@ -153,12 +154,19 @@ class Hook:
             hint = release_header(due.release)
             trace_headers = self._record_in_request(due)
             plan = None
-        # the plugin's lifecycle hint, where the agent gave one (``next_use()``)
-        next_use = current_next_use() if state is EngineState.IN_REQUEST else None
+        # the plugin's lifecycle hints, where the agent gave them (``next_use()``, ``parent=``)
+        plugin = state is EngineState.IN_REQUEST
+        next_use = current_next_use() if plugin else None
+        parent = current_parent(session_id) if plugin else None
         headers = None
-        if self.options.inject_session or hint is not None or next_use is not None:
+        if self.options.inject_session or hint is not None or next_use is not None or parent:
             headers = session_headers(  # a hint needs its session
-                call.headers, session_id, release=hint, trace=trace_headers, next_use=next_use
+                call.headers,
+                session_id,
+                release=hint,
+                trace=trace_headers,
+                next_use=next_use,
+                parent=parent,
             )
         return PreparedCall(headers, extra_body, plan, decision.wait_for)
 

@@ -1,9 +1,11 @@
 """vLLM adapter, API-server side: openJiuwen's ``agent_hint`` on chat requests (>= 0.1.19).
 
 - ``agent_hint.session_id`` names the request's session (vLLM's own ``session_id``, which the
-  engine binds blocks to) unless the body already names one. ``parent_session_id`` is recorded
-  on spans only: a parent's session action does not reach its sub-agents, which openJiuwen
-  manages under their own session ids (a sticky sub-agent may outlive its parent's action).
+  engine binds blocks to) unless the body already names one. ``parent_session_id`` makes the
+  session a subagent of that parent (``core/subagents.py``: the parent's blocks are protected
+  while it runs) and is recorded on spans. A parent's session action does not reach its
+  sub-agents, which openJiuwen manages under their own session ids (a sticky sub-agent may
+  outlive its parent's action).
 - A management request (``context_management.manage_request: true``) is answered here and never
   reaches inference. Its ``messages`` / ``tools`` are the old window:
   - ``evict`` of a messages/tools range releases the session's cache from the range's start (in
@@ -28,6 +30,7 @@ from pydantic import ValidationError
 
 from .contract import EngineRestore, ReleaseError, ReleaseRequest
 from .core.agent_hint import AgentHint, AgentHintError
+from .engine import PARENT_KEY
 
 if TYPE_CHECKING:
     from .route import ReleaseService
@@ -45,6 +48,8 @@ def read_agent_hint(request: Any) -> AgentHint | None:
     hint = AgentHint.parse(extra.pop(FIELD))
     if not request.session_id:
         request.session_id = hint.session_id
+    if hint.parent_session_id and hint.parent_session_id != request.session_id:
+        request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: hint.parent_session_id}
     return hint
 
 

@@ -168,6 +168,8 @@ class Segments(BaseModel):
     #: Blocks of sessions waiting on their user (``finish_reason`` ``stop``, or ``X-KV-Next-Use``).
     idle: int = Field(ge=0)
     normal: int = Field(ge=0)
+    #: Blocks of parents waiting on running subagents: reused after every other cached block.
+    protected: int = Field(ge=0)
 
 
 class EngineStats(BaseModel):
@@ -182,6 +184,10 @@ class EngineStats(BaseModel):
     #: Released blocks still in use: they move when freed.
     pending: int = Field(ge=0)
     released_reused: int = Field(ge=0)
+    #: Protected blocks handed out all the same (nothing else was free).
+    protected_reused: int = Field(ge=0)
+    #: Subagent sessions running (named a parent, not ended their task yet).
+    children: int = Field(ge=0)
     sessions: int = Field(ge=0)
     bindings: int = Field(ge=0)
     sessions_evicted: int = Field(ge=0)

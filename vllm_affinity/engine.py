@@ -6,7 +6,8 @@
   (prefix hits and new ones) to its session (``session_id``, else ``cache_salt``).
 - ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
   request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
-  blocks it releases can serve that very request's allocation.
+  blocks it releases can serve that very request's allocation. A request naming its parent
+  session (``kv_parent``) starts protecting the parent's blocks (``core/subagents.py``).
 - ``EngineCore.affinity_release_prompt`` / ``affinity_session_idle`` / ``affinity_stats`` /
   ``affinity_check``: called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
@@ -33,14 +34,18 @@ from .core import (
     IdleResult,
     ReleaseResult,
     ReleaseSelection,
+    Segment,
     SegmentedFreeBlockQueue,
     SessionBlocks,
     first_divergent_block,
 )
+from .core.subagents import FamilyChange, Subagents
 from .settings import Settings
 
 #: Key of the in-request hint in ``SamplingParams.extra_args`` (set by the API-server wrap).
 HINT_KEY = "kv_release"
+#: Key of the request's parent session in ``SamplingParams.extra_args`` (subagents).
+PARENT_KEY = "kv_parent"
 
 _applied = False
 
@@ -49,7 +54,8 @@ class PoolAffinity:
     """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), the session
     table, and which blocks of each running request are already bound."""
 
-    def __init__(self, pool: Any, max_sessions: int = 100_000) -> None:
+    def __init__(self, pool: Any, settings: Settings | None = None) -> None:
+        settings = settings or Settings()
         self.pool = pool
         self.queue = SegmentedFreeBlockQueue(
             pool.free_block_queue.get_all_free_blocks(), capacity=len(pool.blocks)
@@ -58,7 +64,11 @@ class PoolAffinity:
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
-        self.sessions = SessionBlocks(max_sessions)
+        self.sessions = SessionBlocks(settings.max_sessions)
+        self.subagents = Subagents(settings.max_sessions)
+        self._child_end = settings.child_end
+        #: Most blocks the PROTECTED segment may hold (waiting parents' blocks).
+        self._protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
 
@@ -135,7 +145,19 @@ class PoolAffinity:
 
     def idle_session(self, session: str) -> dict[str, Any]:
         """The session waits on its user: its own blocks go to IDLE, tail first, reused after
-        released blocks and before any live session's. Shared blocks and blocks in use stay."""
+        released blocks and before any live session's. Shared blocks and blocks in use stay.
+
+        A subagent (a session that named a parent) has ended its task instead: its parent stops
+        waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own blocks are released
+        as dead (what other sessions have hit is kept: ``core/sessions.py``)."""
+        if self.subagents.parent_of(session) is not None:
+            self._apply_family(self.subagents.ended(session))
+            self.counters["children_ended"] += 1
+            if self._child_end == "release" and self.sessions.select_idle(session).status == "ok":
+                result = self.release(session, 0, "child_end")
+                return EngineIdle(
+                    status=result["status"], blocks_idled=0, kept_shared=result["kept_shared"]
+                ).model_dump()
         selection = self.sessions.select_idle(session)
         blocks = self.pool.blocks
         moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
@@ -145,6 +167,33 @@ class PoolAffinity:
         return EngineIdle(
             status=selection.status, blocks_idled=moved, kept_shared=selection.kept_shared
         ).model_dump()
+
+    def _apply_family(self, change: FamilyChange) -> None:
+        for parent in change.unprotect:
+            self._unprotect(parent)
+        if change.protect is not None:
+            self._protect(change.protect)
+
+    def _protect(self, parent: str) -> None:
+        """The parent's blocks (prefix first, the part a hit needs) go to PROTECTED, within the
+        cap; blocks in use or already demoted by a release stay as they are."""
+        room = self._protect_cap - self.queue.segment_sizes()["protected"]
+        blocks, moved = self.pool.blocks, 0
+        for block_id in self.sessions.unreused(parent, 0):
+            if moved >= room:
+                break
+            moved += self.queue.protect(blocks[block_id])
+        self.counters["protects"] += 1
+        self.counters["blocks_protected"] += moved
+
+    def _unprotect(self, parent: str) -> None:
+        """The parent stops waiting: its PROTECTED blocks go back to the most-recently-used end
+        of NORMAL (it calls again soon)."""
+        blocks = self.pool.blocks
+        for block_id in self.sessions.unreused(parent, 0):
+            block = blocks[block_id]
+            if self.queue.segment_of(block) is Segment.PROTECTED:
+                self.queue.restore(block)
 
     def _hash_of(self, block_id: int) -> Any:
         block_hash = self.pool.blocks[block_id].block_hash
@@ -176,6 +225,9 @@ class PoolAffinity:
             return
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
+        parent = extra.get(PARENT_KEY)
+        if parent or self.subagents.waiting(session):
+            self._apply_family(self.subagents.call(session, parent))
         if HINT_KEY in extra:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:
@@ -186,6 +238,8 @@ class PoolAffinity:
             segments=Segments(**self.queue.segment_sizes()),
             pending=self.queue.num_pending,
             released_reused=self.queue.released_reused,
+            protected_reused=self.queue.protected_reused,
+            children=len(self.subagents),
             sessions=len(self.sessions),
             bindings=self.sessions.bindings,
             sessions_evicted=self.sessions.evicted,
@@ -196,7 +250,7 @@ class PoolAffinity:
     def check(self, idle: bool) -> list[str]:
         """Invariant violations of the pool, the queue and the session table (empty when all
         hold). ``idle``: no request is running, so nothing may be in use or pending."""
-        queue, problems = self.queue, self.sessions.check()
+        queue, problems = self.queue, self.sessions.check() + self.subagents.check()
         sizes = queue.segment_sizes()
         if sum(sizes.values()) != queue.num_free_blocks:
             problems.append(f"segments {sizes} do not sum to {queue.num_free_blocks} free")
@@ -239,7 +293,7 @@ def _bind(state: PoolAffinity, session: str, manager: Any, request: Any) -> None
 def _make_block_pool_init(settings: Settings) -> Any:
     def _block_pool_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         wrapped(*args, **kwargs)
-        instance._jiuwen_affinity = PoolAffinity(instance, settings.max_sessions)
+        instance._jiuwen_affinity = PoolAffinity(instance, settings)
 
     return _block_pool_init
 

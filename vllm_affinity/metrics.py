@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .contract import EngineStats
 
-RELEASE_MODES = ("post", "in_request", "divergence", "agent_hint")
+RELEASE_MODES = ("post", "in_request", "divergence", "agent_hint", "child_end")
 
 
 class _EngineCollector:
@@ -43,7 +43,8 @@ class _EngineCollector:
             "vllm_affinity_engine_releases",
             "Releases carried out in the engine, by path: post (/release_kv_cache), in_request "
             "(X-KV-Release), divergence (VLLM_AFFINITY_RELEASE_ON_DIVERGENCE), agent_hint "
-            "(openJiuwen evict/offload management requests)",
+            "(openJiuwen evict/offload management requests), child_end (a subagent ended its "
+            "task, VLLM_AFFINITY_CHILD_END=release)",
             labels=["mode", "engine"],
         )
         released = CounterMetricFamily(
@@ -59,6 +60,16 @@ class _EngineCollector:
         idled = CounterMetricFamily(
             "vllm_affinity_engine_blocks_idled",
             "Blocks of sessions waiting on their user moved to the IDLE segment",
+            labels=["engine"],
+        )
+        protected = CounterMetricFamily(
+            "vllm_affinity_engine_blocks_protected",
+            "Blocks of parents waiting on running subagents moved to the PROTECTED segment",
+            labels=["engine"],
+        )
+        children = GaugeMetricFamily(
+            "vllm_affinity_running_subagents",
+            "Subagent sessions that named a parent and have not ended their task",
             labels=["engine"],
         )
         sessions = GaugeMetricFamily(
@@ -81,6 +92,8 @@ class _EngineCollector:
             bindings.add_metric([engine], stats.bindings)
             restored.add_metric([engine], stats.counter("blocks_restored"))
             idled.add_metric([engine], stats.counter("blocks_idled"))
+            protected.add_metric([engine], stats.counter("blocks_protected"))
+            children.add_metric([engine], stats.children)
             for mode in RELEASE_MODES:
                 releases.add_metric([mode, engine], stats.counter(f"releases_{mode}"))
                 released.add_metric([mode, engine], stats.counter(f"block_released_{mode}"))
@@ -91,6 +104,8 @@ class _EngineCollector:
         yield released
         yield restored
         yield idled
+        yield protected
+        yield children
         yield sessions
         yield bindings
 

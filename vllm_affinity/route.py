@@ -35,8 +35,8 @@ from .core import HintError, ReleaseHint, engine_rank
 from .core.hint import HEADER as HINT_HEADER
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
-from .core.session_headers import session_from_headers
-from .engine import HINT_KEY
+from .core.session_headers import parent_from_headers, session_from_headers
+from .engine import HINT_KEY, PARENT_KEY
 from .lifecycle import IdleSignals, watched
 from .metrics import AffinityMetrics
 from .settings import Settings
@@ -419,13 +419,22 @@ def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
 
 def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]) -> None:
     """A request that names no session in its body gets the one its headers name (the agents'
-    own session headers: ``core/session_headers.py``), as vLLM's own ``session_id``."""
+    own session headers: ``core/session_headers.py``), as vLLM's own ``session_id``; a
+    subagent's parent goes to the engine in ``vllm_xargs`` (unless ``agent_hint`` named it)."""
     headers = getattr(raw_request, "headers", None)
-    if headers is None or getattr(request, "session_id", "missing") is not None:
-        return  # a body session_id wins; a request kind without session_id is left alone
-    session = session_from_headers(headers, names)
-    if session is not None:
-        request.session_id = session
+    if headers is None or not hasattr(request, "session_id"):
+        return  # a request kind without session_id is left alone
+    if request.session_id is None:  # a body session_id wins
+        session = session_from_headers(headers, names)
+        if session is not None:
+            request.session_id = session
+    parent = parent_from_headers(headers, names)
+    if (
+        parent is not None
+        and hasattr(request, "vllm_xargs")
+        and (PARENT_KEY not in (request.vllm_xargs or {}))
+    ):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: parent}
 
 
 def session_key(serving: Any, request: Any, raw_request: Any) -> str | None:

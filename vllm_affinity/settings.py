@@ -46,6 +46,12 @@ class Settings:
     #: Headers that name a request's session, first found wins (see
     #: ``core/session_headers.py``); a ``session_id`` in the body comes first either way.
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
+    #: What a subagent's call that ends its task (``stop``: a session that named a parent)
+    #: does with its blocks: ``release`` them as dead, or ``idle`` them as any session's.
+    child_end: str = "release"
+    #: Largest share of the pool a parent waiting on running subagents may keep in the
+    #: PROTECTED segment (reused after every other cached block); 0 turns protection off.
+    protect_share: float = 0.25
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -65,7 +71,27 @@ class Settings:
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
             max_body_bytes=_positive_int(env, "VLLM_AFFINITY_MAX_BODY_BYTES", 32 * 1024 * 1024),
             session_headers=_header_list(env, "VLLM_AFFINITY_SESSION_HEADERS"),
+            child_end=_choice(env, "VLLM_AFFINITY_CHILD_END", ("release", "idle"), "release"),
+            protect_share=_share(env, "VLLM_AFFINITY_PROTECT_SHARE", 0.25),
         )
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = env.get(name, default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _share(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise ValueError(f"{name}={raw!r}: expected a share of the pool between 0 and 1")
+    return value
 
 
 def _header_list(env: Mapping[str, str], name: str) -> tuple[str, ...]:

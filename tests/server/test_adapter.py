@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, FreeKVCacheBlockQueue, KVCacheBlock
 from vllm_parts import (
     BLOCK,
@@ -45,6 +46,7 @@ def test_queue_is_swapped_in() -> None:
         "released": 0,
         "idle": 0,
         "normal": 0,
+        "protected": 0,
     }
     assert_no_leak(manager)
 
@@ -174,7 +176,7 @@ def squeeze(idle: bool) -> tuple[int, int]:
     state.release("D", 1)
     if idle:
         assert state.idle_session("A") == {"status": "ok", "blocks_idled": 3, "kept_shared": 1}
-        sizes = {"free": 4, "released": 1, "idle": 3, "normal": 5}
+        sizes = {"free": 4, "released": 1, "idle": 3, "normal": 5, "protected": 0}
         assert state.queue.segment_sizes() == sizes
         assert state.idle_session("A")["blocks_idled"] == 0  # already idle
     run_prefill(manager, make_request(tokens(900, 8), session="C"))  # 4 + 1 + 3 blocks
@@ -210,6 +212,67 @@ def test_idle_does_nothing_to_a_running_or_unknown_session() -> None:
     manager.free(a)
     assert state.queue.segment_sizes()["idle"] == 0
     assert state.stats()["idles"] == 2 and state.stats()["idles_running"] == 1
+    assert_no_leak(manager)
+
+
+def lead_and_subagent(parent: str | None) -> tuple[Any, Any, int, int]:
+    """A lead's call ends in a tool call (it hands a task to a subagent), then another
+    session's; the subagent's first call then needs more blocks than are free. Returns the
+    manager, the subagent's request and the prompt tokens the lead and the other would hit."""
+    manager = make_manager(13)  # 12 usable; the PROTECTED cap is int(0.25 * 13) = 3 blocks
+    lead = make_request(tokens(0, 4), session="lead")
+    other = make_request(tokens(500, 4), session="other")
+    for request in (lead, other):  # LRU order: the lead's blocks, then the other's
+        run_prefill(manager, request)
+        manager.free(request)
+    extra = {"kv_parent": parent} if parent else None
+    child = make_request(
+        tokens(900, 7),
+        session="sub",
+        sampling_params=SamplingParams(max_tokens=8, extra_args=extra),
+    )
+    state_of(manager).on_new_request(child, release_on_divergence=False)
+    run_prefill(manager, child)  # 4 free blocks, then 3 cached ones (vLLM frees tail first)
+    lead_hits = manager.get_computed_blocks(make_request(tokens(0, 4), session="lead"))[1]
+    other_hits = manager.get_computed_blocks(make_request(tokens(500, 4), session="other"))[1]
+    return manager, child, lead_hits, other_hits
+
+
+def test_a_parent_waiting_on_its_subagent_keeps_its_prefix_within_the_cap() -> None:
+    manager, child, lead_hits, other_hits = lead_and_subagent(parent="lead")
+    state = state_of(manager)
+    assert lead_hits == 3 * BLOCK  # its first 3 blocks protected (the cap), the 4th reused
+    assert other_hits == 2 * BLOCK  # the other's last two went instead
+    assert state.queue.segment_sizes()["protected"] == 3
+    assert state.stats()["children"] == 1 and state.stats()["blocks_protected"] == 3
+    manager.free(child)
+    ended = state.idle_session("sub")  # the subagent's task ended: its blocks are dead
+    assert ended["status"] == "ok" and ended["blocks_idled"] == 0
+    assert state.stats()["block_released_child_end"] == 7
+    sizes = state.queue.segment_sizes()
+    assert sizes["protected"] == 0 and sizes["released"] == 7  # the lead is let go of
+    assert state.stats()["children"] == 0
+    assert state.check(idle=True) == []
+    assert_no_leak(manager)
+
+
+def test_without_a_parent_lru_takes_the_older_lead() -> None:
+    """Control for the test above."""
+    manager, child, lead_hits, other_hits = lead_and_subagent(parent=None)
+    assert lead_hits == BLOCK and other_hits == 3 * BLOCK  # a prompt hits all but its last token
+    manager.free(child)
+    assert state_of(manager).idle_session("sub")["blocks_idled"] == 7  # no parent: idled
+    assert_no_leak(manager)
+
+
+def test_the_parent_calling_again_ends_its_protection() -> None:
+    manager, child, _, _ = lead_and_subagent(parent="lead")
+    state = state_of(manager)
+    manager.free(child)  # the subagent never says it ended (its client left)
+    state.on_new_request(make_request(tokens(0, 5), session="lead"), release_on_divergence=False)
+    assert state.queue.segment_sizes()["protected"] == 0
+    assert state.stats()["children"] == 0
+    assert state.idle_session("sub")["blocks_idled"] == 7  # no longer a known child
     assert_no_leak(manager)
 
 

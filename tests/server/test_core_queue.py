@@ -49,7 +49,7 @@ def test_aged_blocks_come_out_first_each_segment_in_lru_order() -> None:
     assert q.release(blocks[1]) is ReleaseResult.MOVED
     assert q.release(blocks[1]) is ReleaseResult.NOOP
     assert ids(q.get_all_free_blocks()) == [4, 1, 0, 2, 3, 5]
-    assert q.segment_sizes() == {"free": 0, "released": 2, "idle": 0, "normal": 4}
+    assert q.segment_sizes() == {"free": 0, "released": 2, "idle": 0, "normal": 4, "protected": 0}
     assert ids(q.popleft_n(3)) == [4, 1, 0]
 
 
@@ -65,7 +65,7 @@ def test_idle_blocks_go_after_released_and_before_live_ones() -> None:
     assert q.release(blocks[5]) is ReleaseResult.MOVED
     assert q.release(blocks[3]) is ReleaseResult.MOVED  # from IDLE: released outranks idle
     assert ids(q.get_all_free_blocks()) == [5, 3, 1, 0, 2, 4]
-    assert q.segment_sizes() == {"free": 0, "released": 2, "idle": 1, "normal": 3}
+    assert q.segment_sizes() == {"free": 0, "released": 2, "idle": 1, "normal": 3, "protected": 0}
     in_use = q.popleft_n(3)
     assert ids(in_use) == [5, 3, 1]
     assert q.idle(in_use[0]) is IdleResult.NOOP  # in use: nothing pending, unlike release
@@ -74,7 +74,27 @@ def test_idle_blocks_go_after_released_and_before_live_ones() -> None:
     q.remove(blocks[2])  # its session came back: a prefix hit
     q.append(blocks[2])
     assert q.segment_of(blocks[2]) is Segment.NORMAL
-    assert q.segment_sizes() == {"free": 0, "released": 0, "idle": 0, "normal": 3}
+    assert q.segment_sizes() == {"free": 0, "released": 0, "idle": 0, "normal": 3, "protected": 0}
+
+
+def test_protected_blocks_come_out_after_every_other_cached_block() -> None:
+    """A parent waiting on its subagents: its blocks go last, and still serve an allocation
+    when nothing else is left (they are free, not pinned)."""
+    blocks = cached([FakeBlock(i) for i in range(5)])
+    q = SegmentedFreeBlockQueue(capacity=5)
+    q.append_n(blocks)
+    assert q.protect(blocks[0]) and q.protect(blocks[1])
+    assert not q.protect(blocks[1])  # already protected
+    q.idle(blocks[2])
+    assert q.protect(blocks[2])  # an idle parent's block is protected too
+    assert q.segment_sizes()["protected"] == 3
+    assert ids(q.popleft_n(2)) == [3, 4]  # NORMAL first
+    assert ids(q.popleft_n(1)) == [0]  # then PROTECTED, in the order protected
+    assert q.protected_reused == 1
+    assert q.restore(blocks[1])  # the subagents are done: back to the MRU end of NORMAL
+    assert q.segment_sizes() == {"free": 0, "released": 0, "idle": 0, "normal": 1, "protected": 1}
+    assert q.release(blocks[2]) is ReleaseResult.MOVED  # a release outranks protection
+    assert ids(q.get_all_free_blocks()) == [2, 1]
 
 
 def test_uncached_blocks_are_reused_before_released_ones() -> None:
@@ -152,7 +172,8 @@ class QueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.blocks = [FakeBlock(i) for i in range(self.N)]
         self.q = SegmentedFreeBlockQueue(self.blocks)
-        self.ref: list[list[int]] = [list(range(self.N)), [], [], []]  # in pop order
+        # in pop order: FREE, RELEASED, IDLE, NORMAL, PROTECTED
+        self.ref: list[list[int]] = [list(range(self.N)), [], [], [], []]
         self.pending: set[int] = set()
 
     def in_queue(self) -> list[int]:
@@ -205,8 +226,9 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(block_id=st.integers(min_value=0, max_value=N - 1))
     def release(self, block_id: int) -> None:
         result = self.q.release(self.blocks[block_id])
-        if block_id in self.ref[2] or block_id in self.ref[3]:
-            (self.ref[2] if block_id in self.ref[2] else self.ref[3]).remove(block_id)
+        source = next((seg for seg in self.ref[2:] if block_id in seg), None)
+        if source is not None:
+            source.remove(block_id)
             self.ref[1].append(block_id)
             assert result is ReleaseResult.MOVED
         elif block_id in self.in_queue() or block_id in self.pending:
@@ -226,10 +248,20 @@ class QueueMachine(RuleBasedStateMachine):
             assert result is IdleResult.NOOP
 
     @rule(block_id=st.integers(min_value=0, max_value=N - 1))
+    def protect(self, block_id: int) -> None:
+        result = self.q.protect(self.blocks[block_id])
+        source = next((seg for seg in self.ref[2:4] if block_id in seg), None)
+        if source is not None:
+            source.remove(block_id)
+            self.ref[4].append(block_id)
+        assert result is (source is not None)
+
+    @rule(block_id=st.integers(min_value=0, max_value=N - 1))
     def restore(self, block_id: int) -> None:
         result = self.q.restore(self.blocks[block_id])
-        if block_id in self.ref[1] or block_id in self.ref[2]:
-            (self.ref[1] if block_id in self.ref[1] else self.ref[2]).remove(block_id)
+        source = next((self.ref[i] for i in (1, 2, 4) if block_id in self.ref[i]), None)
+        if source is not None:
+            source.remove(block_id)
             self.ref[3].append(block_id)
             assert result is True
         elif block_id in self.pending:
@@ -243,10 +275,16 @@ class QueueMachine(RuleBasedStateMachine):
         assert ids(self.q.get_all_free_blocks()) == self.in_queue()
         assert self.q.num_free_blocks == len(self.in_queue())
         sizes = self.q.segment_sizes()
-        names = ("free", "released", "idle", "normal")
+        names = ("free", "released", "idle", "normal", "protected")
         assert [sizes[name] for name in names] == [len(s) for s in self.ref]
         assert self.q.num_pending == len(self.pending)
-        segments = (Segment.FREE, Segment.RELEASED, Segment.IDLE, Segment.NORMAL)
+        segments = (
+            Segment.FREE,
+            Segment.RELEASED,
+            Segment.IDLE,
+            Segment.NORMAL,
+            Segment.PROTECTED,
+        )
         for block in self.blocks:
             expected = next(
                 (s for s, ref in zip(segments, self.ref, strict=True) if block.block_id in ref),

@@ -2,12 +2,13 @@
 
 A drop-in for vLLM's ``FreeKVCacheBlockQueue``: same methods, same intrusive links
 (``prev_free_block`` / ``next_free_block`` on the blocks themselves, so no allocation per
-operation), but four segments popped in order:
+operation), but five segments popped in order:
 
-    FREE      blocks without a cached hash (never hit again)      — popped first
-    RELEASED  cached blocks a session declared stale, LRU order
-    IDLE      cached blocks of sessions waiting on their user, in the order they went idle
-    NORMAL    cached blocks, LRU order                             — popped last
+    FREE       blocks without a cached hash (never hit again)      — popped first
+    RELEASED   cached blocks a session declared stale, LRU order
+    IDLE       cached blocks of sessions waiting on their user, in the order they went idle
+    NORMAL     cached blocks, LRU order
+    PROTECTED  cached blocks of parents waiting on running subagents — popped last
 
 Where blocks go, mirroring how ``BlockPool`` uses the queue:
 
@@ -16,7 +17,9 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
 - ``append`` / ``append_n`` (freed cached blocks) → tail of NORMAL, or of RELEASED for a block
   that ``release`` marked pending while it was still in use;
 - ``release`` of a queued NORMAL or IDLE block → tail of RELEASED;
-- ``idle`` of a queued NORMAL block → tail of IDLE (a block in use is in use: no pending idle).
+- ``idle`` of a queued NORMAL block → tail of IDLE (a block in use is in use: no pending idle);
+- ``protect`` of a queued NORMAL or IDLE block → tail of PROTECTED (the caller bounds how many:
+  PROTECTED is still free, so it never starves an allocation, it only comes last).
 
 Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
 the segment sizes; RELEASED, IDLE and NORMAL keep insertion order (least recently freed first). A
@@ -54,6 +57,7 @@ class Segment(IntEnum):
     RELEASED = 2
     IDLE = 3
     NORMAL = 0
+    PROTECTED = 4
 
 
 class ReleaseResult(IntEnum):
@@ -78,20 +82,23 @@ class _Sentinel:
         self.next_free_block: Any = None
 
 
-_NORMAL, _FREE, _RELEASED, _IDLE, _OUT = 0, 1, 2, 3, -1  # plain ints on the hot path
-_POP_ORDER = (_FREE, _RELEASED, _IDLE, _NORMAL)
+_NORMAL, _FREE, _RELEASED, _IDLE, _PROTECTED, _OUT = 0, 1, 2, 3, 4, -1  # plain ints: hot path
+_POP_ORDER = (_FREE, _RELEASED, _IDLE, _NORMAL, _PROTECTED)
+_MARKED = (_RELEASED, _IDLE, _PROTECTED)
 
 
 class SegmentedFreeBlockQueue:
-    """Free-block queue with FREE > RELEASED > IDLE > NORMAL eviction priority; O(1) per block.
+    """Free-block queue with FREE > RELEASED > IDLE > NORMAL > PROTECTED eviction priority;
+    O(1) per block.
 
     How a block's segment is known without paying for it on vLLM's hot calls: a block is in
     the queue exactly when its ``prev_free_block`` is set (vLLM's own convention); a list
-    indexed by block id marks the RELEASED and IDLE blocks (the rare segments) while they are in
-    them; a queued block that is not marked is FREE when it has no hash, else NORMAL. One count
-    of the marked blocks guards the hot calls, so without releases or idle sessions ``append_n``
-    and ``prepend_n`` (every block ``BlockPool`` frees) and popping FREE or NORMAL do the same
-    work per block as vLLM's queue. The NORMAL size is the remainder of the total.
+    indexed by block id marks the RELEASED, IDLE and PROTECTED blocks (the rare segments) while
+    they are in them; a queued block that is not marked is FREE when it has no hash, else
+    NORMAL. One count of the marked blocks guards the hot calls, so without releases, idle
+    sessions or waiting parents ``append_n`` and ``prepend_n`` (every block ``BlockPool``
+    frees) and popping FREE or NORMAL do the same work per block as vLLM's queue. The NORMAL
+    size is the remainder of the total.
     """
 
     def __init__(self, blocks: Iterable[Block] = (), capacity: int | None = None) -> None:
@@ -110,12 +117,15 @@ class SegmentedFreeBlockQueue:
         self._normal_head, self._normal_tail = self._heads[_NORMAL], self._tails[_NORMAL]
         self._mark = [_NORMAL] * capacity
         self._num_free = 0  # size of FREE
-        self._num_marked = 0  # size of RELEASED + IDLE: the hot paths' one check
+        self._num_marked = 0  # size of RELEASED + IDLE + PROTECTED: the hot paths' one check
         self._num_idle = 0  # size of IDLE
+        self._num_protected = 0  # size of PROTECTED
         self._pending: set[int] = set()
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
+        #: Protected blocks handed out all the same (nothing else was left).
+        self.protected_reused = 0
         self._link_run(blocks, _FREE)
 
     # -- vLLM's FreeKVCacheBlockQueue interface -----------------------------------------------
@@ -164,10 +174,10 @@ class SegmentedFreeBlockQueue:
         return out
 
     def _pop_through_marked(self, n: int, out: list[Block]) -> list[Block]:
-        """``popleft_n`` when RELEASED or IDLE hold blocks: each segment in turn, its count
-        settled once, not per block; the first one alone when it has enough."""
-        num_idle = self._num_idle
-        released = self._num_marked - num_idle
+        """``popleft_n`` when RELEASED, IDLE or PROTECTED hold blocks: each segment in turn, its
+        count settled once, not per block; the first one alone when it has enough."""
+        num_idle, num_protected = self._num_idle, self._num_protected
+        released = self._num_marked - num_idle - num_protected
         if not self._num_free:  # the usual case: the first segment alone has enough
             if released >= n:
                 self._take(_RELEASED, n, out)
@@ -175,11 +185,14 @@ class SegmentedFreeBlockQueue:
             if not released and num_idle >= n:
                 self._take(_IDLE, n, out)
                 return out
+        # num_free_blocks is already net of the n popped
+        normal = self.num_free_blocks + n - self._num_free - self._num_marked
         for segment, size in (
             (_FREE, self._num_free),
             (_RELEASED, released),
             (_IDLE, num_idle),
-            (_NORMAL, n),
+            (_NORMAL, normal),
+            (_PROTECTED, num_protected),
         ):
             take = size if size < n else n
             if take:
@@ -209,6 +222,9 @@ class SegmentedFreeBlockQueue:
             self._num_marked -= take
             if segment == _IDLE:
                 self._num_idle -= take
+            elif segment == _PROTECTED:
+                self._num_protected -= take
+                self.protected_reused += take
             else:
                 self.released_reused += take
 
@@ -221,9 +237,11 @@ class SegmentedFreeBlockQueue:
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
-        if self._num_marked and self._mark[block.block_id]:  # RELEASED or IDLE
+        if self._num_marked and self._mark[block.block_id]:  # RELEASED, IDLE or PROTECTED
             if self._mark[block.block_id] == _IDLE:
                 self._num_idle -= 1
+            elif self._mark[block.block_id] == _PROTECTED:
+                self._num_protected -= 1
             self._mark[block.block_id] = _NORMAL
             self._num_marked -= 1
         elif block.block_hash is None:  # FREE (vLLM never does this: no hash, no hit)
@@ -299,7 +317,7 @@ class SegmentedFreeBlockQueue:
     def release(self, block: Block) -> ReleaseResult:
         """Make a block the next cached block to be reused (after the uncached ones)."""
         segment = self._segment_index(block)
-        if segment in (_NORMAL, _IDLE):
+        if segment in (_NORMAL, _IDLE, _PROTECTED):
             self.remove(block)
             self._link_run([block], _RELEASED)
             return ReleaseResult.MOVED
@@ -318,11 +336,20 @@ class SegmentedFreeBlockQueue:
         self._link_run([block], _IDLE)
         return IdleResult.MOVED
 
+    def protect(self, block: Block) -> bool:
+        """Its session waits on running subagents: a queued NORMAL or IDLE block goes to the
+        tail of PROTECTED, reused after every other cached block. False when it was neither."""
+        if self._segment_index(block) not in (_NORMAL, _IDLE):
+            return False
+        self.remove(block)
+        self._link_run([block], _PROTECTED)
+        return True
+
     def restore(self, block: Block) -> bool:
-        """Undo ``release`` or ``idle``: a RELEASED or IDLE block goes to the most-recently-used
-        end of NORMAL, a pending one will go to NORMAL when freed. False when the block was
-        none of these."""
-        if self._segment_index(block) in (_RELEASED, _IDLE):
+        """Undo ``release``, ``idle`` or ``protect``: a RELEASED, IDLE or PROTECTED block goes to
+        the most-recently-used end of NORMAL, a pending one will go to NORMAL when freed. False
+        when the block was none of these."""
+        if self._segment_index(block) in _MARKED:
             self.remove(block)
             self.append_n([block])
             return True
@@ -341,13 +368,14 @@ class SegmentedFreeBlockQueue:
         return None if segment == _OUT else Segment(segment)
 
     def segment_sizes(self) -> dict[str, int]:
-        released = self._num_marked - self._num_idle
+        released = self._num_marked - self._num_idle - self._num_protected
         normal = self.num_free_blocks - self._num_free - self._num_marked
         return {
             "free": self._num_free,
             "released": released,
             "idle": self._num_idle,
             "normal": normal,
+            "protected": self._num_protected,
         }
 
     @property
@@ -364,14 +392,14 @@ class SegmentedFreeBlockQueue:
         return _FREE if block.block_hash is None else _NORMAL
 
     def _link_run(self, blocks: list[Block], segment: int) -> None:
-        """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED or
-        IDLE."""
+        """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED, IDLE
+        or PROTECTED."""
         if not blocks:
             return
         mark = self._mark
         after = self._tails[segment]
         prev = after.prev_free_block
-        marked = segment in (_RELEASED, _IDLE)
+        marked = segment in _MARKED
         for block in blocks:
             if marked:
                 mark[block.block_id] = segment
@@ -386,4 +414,6 @@ class SegmentedFreeBlockQueue:
             self._num_marked += len(blocks)
             if segment == _IDLE:
                 self._num_idle += len(blocks)
+            elif segment == _PROTECTED:
+                self._num_protected += len(blocks)
         self.num_free_blocks += len(blocks)

@@ -10,6 +10,9 @@ of an ordered list of headers that a request carries (``VLLM_AFFINITY_SESSION_HE
   never released by a subagent's rewrite;
 - ``session-id``: the Codex CLI;
 - ``X-Session-Affinity``: gateways that pin a conversation to a replica.
+
+A subagent's parent: ``X-Parent-Session-ID`` (the hook's ``session(id, parent=...)``), else, for
+a Claude Code subagent, its session id without the agent id.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
 )
 CLAUDE_CODE_SESSION = "x-claude-code-session-id"
 CLAUDE_CODE_AGENT = "x-claude-code-agent-id"
+PARENT_HEADER = "X-Parent-Session-ID"
 #: Longest session name taken from a header (longer values are ignored, not truncated).
 MAX_SESSION_LENGTH = 512
 
@@ -52,4 +56,17 @@ def session_from_headers(headers: Mapping[str, str], names: Sequence[str]) -> st
             if agent and len(value) + len(agent) < MAX_SESSION_LENGTH:
                 return f"{value}/{agent}"
         return value
+    return None
+
+
+def parent_from_headers(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
+    """The parent session a subagent's request names (see the module's docstring), or
+    ``None``."""
+    value = (headers.get(PARENT_HEADER) or "").strip()
+    if value and len(value) <= MAX_SESSION_LENGTH:
+        return value
+    if CLAUDE_CODE_SESSION in (n.lower() for n in names) and headers.get(CLAUDE_CODE_AGENT):
+        session = (headers.get(CLAUDE_CODE_SESSION) or "").strip()
+        if session and len(session) <= MAX_SESSION_LENGTH:
+            return session
     return None

@@ -1,0 +1,93 @@
+"""End to end on the real plugin server: subagents. A subagent names its parent (the hook's
+``session(id, parent=...)``, or Claude Code's own session and agent headers on
+``/v1/messages``); while it runs the parent's blocks sit in the PROTECTED segment, and the call
+that ends its task releases its own blocks as dead and lets the parent go."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+import jiuwen_hooks
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text, filler_window
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("clean_hook")]
+
+NEXT_USE = "X-KV-Next-Use"  # 0: back at once (a tool call); 60: the task or turn is over
+
+
+def wait_for(server: VLLMServer, what: str, done: Any) -> dict[str, Any]:
+    """The engine's stats once ``done(stats)`` holds (idle signals arrive after the answer)."""
+    deadline = time.monotonic() + 20
+    while True:
+        stats = server.engine_stats()
+        if done(stats):
+            return stats
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {stats}"
+        time.sleep(0.1)
+
+
+def test_hook_subagent_protects_its_parent_and_its_end_releases_it(
+    vllm_affinity_server: VLLMServer,
+) -> None:
+    server = vllm_affinity_server
+    hook = jiuwen_hooks.install()
+    before = server.engine_stats()
+    with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0) as c:
+
+        def chat(seed: int) -> None:
+            c.chat.completions.create(
+                model=SERVED_NAME, messages=filler_window(seed=seed, words=300), max_tokens=2
+            )
+
+        with jiuwen_hooks.session("hook-lead"), jiuwen_hooks.next_use(0):
+            chat(601)  # the lead hands a task over; also the hook's first contact (probe)
+            hook.flush()  # the capability probe has answered
+            chat(601)  # now known as the plugin: hints go in the request
+        with jiuwen_hooks.session("hook-sub", parent="hook-lead"):
+            with jiuwen_hooks.next_use(0):
+                chat(602)
+            running = server.engine_stats()
+            assert running["children"] == before["children"] + 1
+            assert running["blocks_protected"] > before.get("blocks_protected", 0)
+            assert running["segments"]["protected"] > 0
+            with jiuwen_hooks.next_use(60):
+                chat(603)  # its last call: the task is done
+    after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
+    released = after.get("block_released_child_end", 0) - before.get("block_released_child_end", 0)
+    assert released > 0
+    assert after["segments"]["protected"] == 0
+
+
+def test_claude_code_headers_make_a_subagent_on_messages(vllm_affinity_server: VLLMServer) -> None:
+    """No hook: Claude Code's session header, plus its agent id header on a subagent's calls."""
+    server = vllm_affinity_server
+    lead = {"X-Claude-Code-Session-Id": "cc-e2e-session", NEXT_USE: "0"}
+    sub = {**lead, "X-Claude-Code-Agent-Id": "agent-7"}
+    before = server.engine_stats()
+    with anthropic.Anthropic(
+        base_url=server.root_url, auth_token=server.api_key, max_retries=0
+    ) as sdk:
+
+        def call(seed: int, headers: dict[str, str]) -> None:
+            sdk.messages.create(
+                model=SERVED_NAME,
+                messages=[{"role": "user", "content": filler_text(random.Random(seed), 300)}],
+                max_tokens=2,
+                extra_headers=headers,
+            )
+
+        call(611, lead)
+        call(612, sub)
+        running = server.engine_stats()
+        assert running["children"] == before["children"] + 1
+        assert running["segments"]["protected"] > 0
+        call(613, {**sub, NEXT_USE: "60"})
+    after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
+    assert after.get("children_ended", 0) > before.get("children_ended", 0)
+    assert after["segments"]["protected"] == 0
