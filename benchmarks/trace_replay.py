@@ -12,9 +12,18 @@ replay`` runs), the simulator beside it:
 - ``lifecycle``: the plugin as shipped, told what a real model's finish reasons would say
   (``X-KV-Next-Use``: a call whose subagents run next, or a tool call, keeps its session live; a
   finished turn or task makes it idle) (lifecycle);
-- ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace.
+- ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace;
+- the subagent options of ``lifecycle`` one at a time (the hook names each subagent's parent):
+  ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
+  ``no-protect`` (no PROTECTED segment for waiting parents), ``no-parents`` (neither: the hook
+  names no parent).
+
+``--api messages`` replays through the ``anthropic`` SDK on ``/v1/messages``, as coding agents
+call; the default ``chat`` through the ``openai`` SDK.
 
     python benchmarks/trace_replay.py --traces agentinfer,mooncake=/path/conversation_trace.jsonl
+    python benchmarks/trace_replay.py --traces agentinfer --api messages \
+        --scenarios vanilla,lifecycle,child-idle,no-protect,no-parents --name coding_agents
     python benchmarks/trace_replay.py --quick        # CI: the synthetic trace in all 4 formats
 
 Output: ``<out>/trace_replay[_quick].json`` and ``.md`` (default ``benchmarks/results``).
@@ -59,14 +68,25 @@ class Scenario:
     plugin: bool
     lifecycle: bool
     next_use: str = "none"  # what the hook tells the plugin of each call's end
+    parents: bool = True  # the hook names each subagent's parent
+    env: tuple[tuple[str, str], ...] = ()  # more plugin settings
 
 
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
-    Scenario("release", plugin=True, lifecycle=False),
+    Scenario("release", plugin=True, lifecycle=False, parents=False),
     Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
     Scenario("lifecycle-gap", plugin=True, lifecycle=True, next_use="gap"),
-)
+    Scenario(
+        "child-idle", plugin=True, lifecycle=True, next_use="finish",
+        env=(("VLLM_AFFINITY_CHILD_END", "idle"),),
+    ),
+    Scenario(
+        "no-protect", plugin=True, lifecycle=True, next_use="finish",
+        env=(("VLLM_AFFINITY_PROTECT_SHARE", "0"),),
+    ),
+    Scenario("no-parents", plugin=True, lifecycle=True, next_use="finish", parents=False),
+)  # fmt: skip
 
 
 def render(trace: Trace, options: ReplayOptions) -> list[tuple[int, ...]]:
@@ -85,8 +105,11 @@ def run_scenario(
     tokens: list[tuple[int, ...]],
     cores: str,
 ) -> dict[str, Any]:
-    env = {"VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false"}
-    options = dataclasses.replace(options, next_use=scenario.next_use)
+    env = {
+        "VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false",
+        **dict(scenario.env),
+    }
+    options = dataclasses.replace(options, next_use=scenario.next_use, parents=scenario.parents)
     with VLLMServer(
         plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
         max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
@@ -109,6 +132,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     options = ReplayOptions(
         model=SERVED_NAME, api_key=API_KEY, scale=args.scale, speed=args.speed,
         concurrency=args.concurrency, max_output_tokens=MAX_OUTPUT, progress=not args.quiet,
+        api=args.api,
     )  # fmt: skip
     say(f"{trace.format}: {trace.describe()}")
     tokens = render(trace, options)
@@ -178,7 +202,7 @@ def scenarios(names: str) -> list[Scenario]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Scale {result['scale']:g}, speed {result['speed'] or 'one call at a time'}, "
-        f"outputs capped at {MAX_OUTPUT} tokens.",
+        f"outputs capped at {MAX_OUTPUT} tokens, API {result.get('api', 'chat')}.",
         "",
         "| trace | calls | pool | scenario | hit rate | simulator | infinite / Belady "
         "| computed tokens | vs vanilla | TTFT p50 / p90 (ms) | releases |",
@@ -213,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--limit", type=int, help="the first N calls of each trace")
     parser.add_argument("--cores", default="0", help="the model worker's cores")
+    parser.add_argument("--api", choices=("chat", "messages"), default="chat")
     parser.add_argument(
         "--scenarios", default="vanilla,release,lifecycle,lifecycle-gap",
         help="which, in the order they run (vanilla first: the others are compared with it)",
@@ -229,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "scale": args.scale,
             "speed": args.speed,
+            "api": args.api,
             "traces": [replay_trace(t, args) for t in loaded],
         }
     stem = args.name or ("trace_replay_quick" if args.quick else "trace_replay")

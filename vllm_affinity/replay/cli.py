@@ -66,6 +66,15 @@ def replay_parser() -> argparse.ArgumentParser:
         "--end-sessions", action="store_true", help="end each session after its last call"
     )
     parser.add_argument(
+        "--api", choices=("chat", "messages"), default="chat",
+        help="chat: the openai SDK on /v1/chat/completions; messages: the anthropic SDK on "
+        "/v1/messages (coding agents)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-parents", action="store_true",
+        help="do not tell the plugin which session is a subagent of which",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-ignore-eos", action="store_true",
         help="for servers that refuse vLLM's ignore_eos (outputs may then end early)",
     )  # fmt: skip
@@ -101,6 +110,8 @@ def replay_main(argv: list[str]) -> int:
         ignore_eos=not args.no_ignore_eos,
         next_use=args.next_use,
         end_sessions=args.end_sessions,
+        api=args.api,
+        parents=not args.no_parents,
         progress=not args.quiet,
     )
     if args.baseline_url:

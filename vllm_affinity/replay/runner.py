@@ -1,12 +1,14 @@
-"""Replay a ``Trace`` against an OpenAI-compatible server, with or without the hook.
+"""Replay a ``Trace`` against a vLLM server, with or without the hook.
 
 Each session's calls go in order, each at its time on the trace's clock sped up ``speed`` times
 (``speed`` 0: one call at a time in trace order, so a simulator sees exactly the server's order),
 at most ``concurrency`` in flight. Every call is streamed, so its time to first token is measured;
 prompt and cached tokens come from the answer's usage, the hit rate also from the server's own
 counters where ``/metrics`` answers. A hooked run installs ``jiuwen_hooks`` for its duration, and
-the session of every call rides in ``jiuwen_hooks.session``: the hook finds out by itself whether
-the server runs the plugin (in-request release), takes the POST, or neither.
+the session of every call (and its parent, for a subagent) rides in ``jiuwen_hooks.session``:
+the hook finds out by itself whether the server runs the plugin (in-request release), takes the
+POST, or neither. Calls go through the ``openai`` SDK (Chat Completions) or the ``anthropic`` SDK
+(``/v1/messages``), as the agents being replayed would.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 
@@ -66,6 +69,11 @@ class ReplayOptions:
     next_use: str = "none"
     #: Hooked runs end each session after its last call (``jiuwen_hooks.end_session``).
     end_sessions: bool = False
+    #: ``chat`` (the openai SDK, ``/v1/chat/completions``) or ``messages`` (the anthropic SDK,
+    #: ``/v1/messages``).
+    api: str = "chat"
+    #: Hooked runs name each subagent's parent (``jiuwen_hooks.session(id, parent=...)``).
+    parents: bool = True
     timeout: float = 600.0
     progress: bool = True
 
@@ -157,6 +165,38 @@ class _Progress:
             )
 
 
+async def _one_message(
+    client: anthropic.AsyncAnthropic,
+    options: ReplayOptions,
+    record: CallRecord,
+    window: list[dict[str, Any]],
+    output_tokens: int,
+) -> None:
+    """``_one`` on ``/v1/messages``: Anthropic's usage splits the prompt into the part read
+    from the cache and the rest (vLLM's ``prompt_tokens`` is their sum)."""
+    start = time.perf_counter()
+    try:
+        stream = await client.messages.create(
+            model=options.model,
+            messages=window,  # type: ignore[arg-type]
+            max_tokens=options.max_tokens(output_tokens),
+            stream=True,
+        )
+        async for event in stream:
+            if record.ttft is None and event.type == "content_block_delta":
+                record.ttft = time.perf_counter() - start
+            usage = getattr(event, "usage", None) or getattr(
+                getattr(event, "message", None), "usage", None
+            )
+            if usage is not None and event.type == "message_delta":
+                cached = usage.cache_read_input_tokens
+                created = usage.cache_creation_input_tokens or 0
+                record.prompt_tokens = (usage.input_tokens or 0) + (cached or 0) + created
+                record.cached_tokens = cached
+    except anthropic.AnthropicError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+
+
 async def _one(
     client: openai.AsyncOpenAI,
     options: ReplayOptions,
@@ -203,9 +243,23 @@ async def _replay(
     limit = asyncio.Semaphore(max(1, options.concurrency))
     progress = _Progress(target.name, len(requests), options.progress)
     origin = requests[0].at
-    client = openai.AsyncOpenAI(
-        base_url=target.base_url, api_key=options.api_key, max_retries=0, timeout=options.timeout
-    )
+    client: Any
+    if options.api == "messages":
+        client = anthropic.AsyncAnthropic(
+            base_url=target.root_url,
+            auth_token=options.api_key,
+            max_retries=0,
+            timeout=options.timeout,
+        )
+        send: Any = _one_message
+    else:
+        client = openai.AsyncOpenAI(
+            base_url=target.base_url,
+            api_key=options.api_key,
+            max_retries=0,
+            timeout=options.timeout,
+        )
+        send = _one
     start = time.monotonic()
 
     async def call(index: int) -> None:
@@ -214,10 +268,13 @@ async def _replay(
         result.calls.append(record)
         with ExitStack() as stack:
             if target.hooked:
-                stack.enter_context(jiuwen_hooks.session(request.session))
+                parent = request.parent if options.parents else None
+                if parent == request.session:
+                    parent = None
+                stack.enter_context(jiuwen_hooks.session(request.session, parent=parent))
                 if hints[index] is not None:
                     stack.enter_context(jiuwen_hooks.next_use(hints[index]))
-            await _one(client, options, record, prompts[index], request.output_tokens)
+            await send(client, options, record, prompts[index], request.output_tokens)
         record.done = time.monotonic() - start
         if target.hooked and options.end_sessions and gaps[index] is None:
             jiuwen_hooks.end_session(request.session)
