@@ -75,3 +75,13 @@ def test_the_readme_summary_names_every_request_field() -> None:
     assert block is not None
     for name in field_names(ReleaseRequest):
         assert f'"{name}"' in block.group(1), f"{name} is not in the README's contract block"
+
+
+def test_every_server_setting_is_in_the_readme_table_and_no_other() -> None:
+    """The README's settings table names exactly the variables ``Settings.from_env`` reads."""
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "vllm_affinity" / "settings.py").read_text()
+    read = set(re.findall(r'"(VLLM_AFFINITY_\w+)"', source))
+    readme = (root / "README.md").read_text()
+    table = set(re.findall(r"^\| `(VLLM_AFFINITY_\w+)` \|", readme, flags=re.MULTILINE))
+    assert table == read
