@@ -150,6 +150,7 @@ class PoolAffinity:
         A subagent (a session that named a parent) has ended its task instead: its parent stops
         waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own blocks are released
         as dead (what other sessions have hit is kept: ``core/sessions.py``)."""
+        self.counters["idles"] += 1  # every signal, applied or not (a replay waits on it)
         if self.subagents.parent_of(session) is not None:
             self._apply_family(self.subagents.ended(session))
             self.counters["children_ended"] += 1
@@ -161,7 +162,6 @@ class PoolAffinity:
         selection = self.sessions.select_idle(session)
         blocks = self.pool.blocks
         moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
-        self.counters["idles"] += 1
         self.counters[f"idles_{selection.status}"] += 1
         self.counters["blocks_idled"] += moved
         return EngineIdle(
