@@ -193,15 +193,15 @@ def test_next_use_hints_by_signal() -> None:
     lead, sub = "lead", "lead/sub"
     trace = (
         TraceRequest(lead, 0.0, (1,), 5),  # spawns a subagent: waits on it, live
-        TraceRequest(sub, 1.0, (2,), 5, parent=lead),
-        TraceRequest(sub, 2.0, (2, 3), 5, parent=lead),  # the subagent's last call: idle
+        TraceRequest(sub, 1.0, (2,), 5, parent=lead),  # 19 s to its next: a slow tool, live
+        TraceRequest(sub, 20.0, (2, 3), 5, parent=lead),  # the subagent's last call: idle
         TraceRequest(lead, 30.0, (1, 4), 5),  # then waits 60 s on its user: idle
         TraceRequest(lead, 90.0, (1, 4, 5), 5),  # 3 s to its next call: a tool, live
         TraceRequest(lead, 93.0, (1, 4, 5, 6), 5),  # its last call: idle
     )
     assert next_use_hints(trace, "none", 10.0) == [None] * 6
-    assert next_use_hints(trace, "gap", 10.0) == [30.0, 1.0, None, 60.0, 3.0, None]
-    assert next_use_hints(trace, "gap", 10.0, speed=10) == [3.0, 0.1, None, 6.0, 0.3, None]
+    assert next_use_hints(trace, "gap", 10.0) == [30.0, 19.0, None, 60.0, 3.0, None]
+    assert next_use_hints(trace, "gap", 10.0, speed=10) == [3.0, 1.9, None, 6.0, 0.3, None]
     assert next_use_hints(trace, "finish", 10.0) == [0.0, 0.0, LONG_IDLE_S, 60.0, 0.0, LONG_IDLE_S]
     with pytest.raises(ValueError, match="unknown signal"):
         next_use_hints(trace, "sometimes", 10.0)

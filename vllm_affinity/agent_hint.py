@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from .contract import EngineRestore, ReleaseError, ReleaseRequest
 from .core.agent_hint import AgentHint, AgentHintError
+from .core.tenants import scoped
 from .engine import PARENT_KEY
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def read_agent_hint(request: Any) -> AgentHint | None:
 
 
 async def answer_management(
-    service: ReleaseService, request: Any, hint: AgentHint, raw_request: Any
+    service: ReleaseService, request: Any, hint: AgentHint, raw_request: Any, principal: str
 ) -> Any:
     """Carry out a management request: vLLM's ``ChatCompletionResponse``, or its
     ``ErrorResponse`` (4xx) for a request that cannot be acted on, with nothing changed."""
@@ -74,7 +75,7 @@ async def answer_management(
         attributes=attributes,
     ) as span:
         try:
-            figures = await _act(service, request, hint)
+            figures = await _act(service, request, hint, scoped(principal, hint.session_id))
         except ReleaseError as exc:
             service.metrics.count_management(hint.action or "", f"http_{exc.status}")
             span.set_attribute("error.type", str(exc.status))
@@ -89,7 +90,10 @@ async def answer_management(
     return _completion(request.model, figures)
 
 
-async def _act(service: ReleaseService, request: Any, hint: AgentHint) -> dict[str, Any]:
+async def _act(
+    service: ReleaseService, request: Any, hint: AgentHint, session: str
+) -> dict[str, Any]:
+    """The management request's edit on ``session`` (the hint's, scoped to the caller)."""
     checked = await service.serving_chat._check_model(request)
     if checked is not None:  # vLLM's ErrorResponse for an unknown model
         raise ReleaseError(checked.error.code, checked.error.message, checked.error.type)
@@ -116,12 +120,12 @@ async def _act(service: ReleaseService, request: Any, hint: AgentHint) -> dict[s
     salt = request.cache_salt  # the salt the session's chat requests were hashed with
     started = time.perf_counter()
     if hint.action == "prefetch":
-        results = await service.call_engines("affinity_restore_prompt", hint.session_id, cut, salt)
+        results = await service.call_engines("affinity_restore_prompt", session, cut, salt)
         engines = [EngineRestore.model_validate(r) for r in results]
         figures: dict[str, Any] = EngineRestore.summed(engines).model_dump()
     else:
         results = await service.call_engines(
-            "affinity_release_prompt", hint.session_id, cut, salt, "agent_hint"
+            "affinity_release_prompt", session, cut, salt, "agent_hint"
         )
         figures = service.summed(results)
     figures["action"] = hint.action

@@ -40,12 +40,17 @@ from .core import (
     first_divergent_block,
 )
 from .core.subagents import FamilyChange, Subagents
+from .core.tenants import scoped
 from .settings import Settings
 
 #: Key of the in-request hint in ``SamplingParams.extra_args`` (set by the API-server wrap).
 HINT_KEY = "kv_release"
 #: Key of the request's parent session in ``SamplingParams.extra_args`` (subagents).
 PARENT_KEY = "kv_parent"
+#: Key of the request's principal in ``SamplingParams.extra_args`` (``core/tenants.py``).
+PRINCIPAL_KEY = "kv_principal"
+#: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
+RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY)
 
 _applied = False
 
@@ -226,6 +231,8 @@ class PoolAffinity:
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
         parent = extra.get(PARENT_KEY)
+        if parent:
+            parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)
         if parent or self.subagents.waiting(session):
             self._apply_family(self.subagents.call(session, parent))
         if HINT_KEY in extra:
@@ -279,7 +286,20 @@ def affinity_of(pool: Any) -> PoolAffinity | None:
 
 
 def _session_of(request: Any) -> str | None:
-    return getattr(request, "session_id", None) or getattr(request, "cache_salt", None)
+    """The request's session (vLLM's ``session_id``, else its ``cache_salt``), scoped to its
+    principal; worked out once per request (this runs on every scheduler step)."""
+    try:
+        return request._jiuwen_session  # type: ignore[no-any-return]
+    except AttributeError:
+        pass
+    session = getattr(request, "session_id", None) or getattr(request, "cache_salt", None)
+    if session:
+        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+        principal = extra.get(PRINCIPAL_KEY)
+        if principal:
+            session = scoped(principal, session)
+    request._jiuwen_session = session
+    return session
 
 
 def _bind(state: PoolAffinity, session: str, manager: Any, request: Any) -> None:

@@ -36,7 +36,8 @@ from .core.hint import HEADER as HINT_HEADER
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
-from .engine import HINT_KEY, PARENT_KEY
+from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
+from .engine import HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .lifecycle import IdleSignals, watched
 from .metrics import AffinityMetrics
 from .settings import Settings
@@ -103,7 +104,7 @@ class ReleaseService:
                 span.set_attribute("jiuwen.release.protocol", "release_kv_cache")
                 span.set_attribute("gen_ai.conversation.id", request.cache_salt)
                 span.set_attribute("gen_ai.request.model", request.model)
-                result = await self._release(request)
+                result = await self._release(request, self.principal_of(raw))
             except ReleaseError as exc:
                 self.metrics.count_request(f"http_{exc.status}")
                 span.set_attribute("error.type", str(exc.status))
@@ -117,11 +118,26 @@ class ReleaseService:
         return JSONResponse(result)
 
     def _authorised(self, raw: Request) -> bool:
+        return self._api_key(raw) is not None
+
+    def _api_key(self, raw: Any) -> str | None:
+        """The server's API key the request authenticated with, if any."""
         scheme, _, token = raw.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return None
         digest = hashlib.sha256(token.encode()).digest()
-        return any(secrets.compare_digest(digest, t) for t in self.api_tokens)
+        return token if any(secrets.compare_digest(digest, t) for t in self.api_tokens) else None
+
+    def principal_of(self, raw: Any) -> str:
+        """Who the request comes from (``core/tenants.py``): the gateway's tenant header, else
+        the API key; on a server with neither, nobody in particular (names stay unscoped)."""
+        header = self.settings.tenant_header
+        headers = getattr(raw, "headers", None)
+        if header and headers is not None and (value := headers.get(header, "").strip()):
+            return tenant_principal(value)
+        if self.api_tokens and headers is not None and (key := self._api_key(raw)) is not None:
+            return key_principal(key)
+        return ANONYMOUS if header or self.api_tokens else UNSCOPED
 
     async def _read_body(self, raw: Request) -> bytes:
         """The body, refused with 413 past ``max_body_bytes`` (checked on the declared length
@@ -156,12 +172,13 @@ class ReleaseService:
         except RecursionError:
             raise ReleaseError(400, "request body is nested too deeply") from None
 
-    async def _release(self, request: ReleaseRequest) -> dict[str, Any]:
+    async def _release(self, request: ReleaseRequest, principal: str) -> dict[str, Any]:
         started = time.perf_counter()
         cut = await self.render_cut(request)
         rendered = time.perf_counter()
         salt = None if self._shares_cache(request) else request.cache_salt
-        results = await self.call_engines("affinity_release_prompt", request.cache_salt, cut, salt)
+        session = scoped(principal, request.cache_salt)
+        results = await self.call_engines("affinity_release_prompt", session, cut, salt)
         done = time.perf_counter()
         return {
             "cache_salt": request.cache_salt,
@@ -437,6 +454,20 @@ def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]
         request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: parent}
 
 
+def strip_reserved_args(request: Any) -> None:
+    """A client's own ``vllm_xargs`` may not carry the keys only the plugin sets (a principal,
+    a parent, an in-request release): they would let it act as another tenant."""
+    xargs = getattr(request, "vllm_xargs", None)
+    if xargs and any(key in xargs for key in RESERVED_KEYS):
+        request.vllm_xargs = {k: v for k, v in xargs.items() if k not in RESERVED_KEYS}
+
+
+def apply_principal(request: Any, principal: str) -> None:
+    """The engine scopes the request's session to ``principal`` (``core/tenants.py``)."""
+    if principal != UNSCOPED and hasattr(request, "vllm_xargs"):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), PRINCIPAL_KEY: principal}
+
+
 def session_key(serving: Any, request: Any, raw_request: Any) -> str | None:
     """The key the engine binds a request's blocks under: vLLM's own session id (the body's
     ``session_id``, ``X-Session-ID``, ``vllm_xargs``), else the cache salt."""
@@ -483,11 +514,21 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
 
     def before(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         request = args[0] if args else kwargs["request"]
+        strip_reserved_args(request)
+        return serve(wrapped, instance, args, kwargs)
+
+    def serve(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        request = args[0] if args else kwargs["request"]
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         apply_cache_sharing(request, settings.allow_cache_sharing)
         apply_session_headers(request, raw_request, settings.session_headers)
         service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
-        session = session_key(instance, request, raw_request) if service is not None else None
+        session = None
+        if service is not None:
+            principal = service.principal_of(raw_request)
+            apply_principal(request, principal)
+            named = session_key(instance, request, raw_request)
+            session = scoped(principal, named) if named else None
         next_use = None
         if settings.lifecycle and session:  # validated before anything is applied or counted
             try:
@@ -524,6 +565,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         """openJiuwen's ``agent_hint`` first (see ``agent_hint.py``), then as ``before``."""
         request = args[0] if args else kwargs["request"]
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
+        strip_reserved_args(request)
         try:
             agent_hint = read_agent_hint(request)
         except AgentHintError as exc:
@@ -531,8 +573,10 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             return _hint_error(instance, str(exc))
         if agent_hint is not None and agent_hint.manage_request:
             apply_cache_sharing(request, settings.allow_cache_sharing)
-            return answer_management(_service(raw_request), request, agent_hint, raw_request)
-        return before(wrapped, instance, args, kwargs)
+            service = _service(raw_request)
+            principal = service.principal_of(raw_request)
+            return answer_management(service, request, agent_hint, raw_request, principal)
+        return serve(wrapped, instance, args, kwargs)
 
     wrapt.wrap_function_wrapper(GenerateBaseServing, "_get_data_parallel_rank", session_rank)
     wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before_chat)

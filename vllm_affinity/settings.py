@@ -52,6 +52,9 @@ class Settings:
     #: Largest share of the pool a parent waiting on running subagents may keep in the
     #: PROTECTED segment (reused after every other cached block); 0 turns protection off.
     protect_share: float = 0.25
+    #: A header a trusted gateway sets to name the request's tenant: sessions are scoped to it
+    #: (``core/tenants.py``); empty: scoped to the API key, when the server has keys.
+    tenant_header: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -73,7 +76,19 @@ class Settings:
             session_headers=_header_list(env, "VLLM_AFFINITY_SESSION_HEADERS"),
             child_end=_choice(env, "VLLM_AFFINITY_CHILD_END", ("release", "idle"), "release"),
             protect_share=_share(env, "VLLM_AFFINITY_PROTECT_SHARE", 0.25),
+            tenant_header=_header_name(env, "VLLM_AFFINITY_TENANT_HEADER"),
         )
+
+
+def _header_name(env: Mapping[str, str], name: str) -> str:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return ""
+    try:
+        (header,) = parse_header_list(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: expected one header name ({exc})") from None
+    return header
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:

@@ -133,7 +133,9 @@ def next_use_hints(
     subagents' calls before its session's next one asked for a tool (the subagent: ``tool_use``
     → live, 0); a session's last call ended its task (``end_turn`` → idle); a call whose session
     comes back only after ``idle_after`` seconds of the trace's clock waited on its user
-    (``end_turn`` → idle); any other call ran a tool (live)."""
+    (``end_turn`` → idle), unless it is a subagent: it has no user, and a model ends a
+    subagent's turn only with its task (a long gap there is a slow tool); any other call ran a
+    tool (live)."""
     if signal not in SIGNALS:
         raise ValueError(f"unknown signal {signal!r}; expected one of {SIGNALS}")
     scale = max(speed, 1.0)
@@ -160,5 +162,6 @@ def next_use_hints(
         calls = children.get(request.session, [])
         waits_on_children = bisect.bisect_right(calls, index) < bisect.bisect_left(calls, after)
         gap = (requests[after].at - request.at) / scale
-        hints.append(gap if gap >= idle_after and not waits_on_children else 0.0)
+        user_turn = request.parent is None and not waits_on_children
+        hints.append(gap if gap >= idle_after and user_turn else 0.0)
     return hints
