@@ -136,6 +136,7 @@ class VLLMServer(LoopbackServer):
         num_blocks: int = 64,
         max_model_len: int | None = None,
         api_key: str | None = None,
+        more_api_keys: tuple[str, ...] = (),
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         startup_timeout: float = 300.0,
@@ -148,7 +149,8 @@ class VLLMServer(LoopbackServer):
         self.plugin = plugin
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len or min(4096, (num_blocks - 1) * BLOCK_SIZE // 2)
-        self.api_key = api_key
+        self.api_key = api_key  # the key this object's own requests use
+        self.more_api_keys = more_api_keys  # further keys the server accepts (tenants)
         self.extra_args = extra_args
         self.env = dict(env or {})
         if cpu_cores is not None:
@@ -190,7 +192,7 @@ class VLLMServer(LoopbackServer):
             "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
+            cmd += ["--api-key", self.api_key, *self.more_api_keys]
         return [*cmd, *self.extra_args]
 
     def start(self, wait: bool = True) -> VLLMServer:

@@ -1,0 +1,165 @@
+"""End to end: a session belongs to the caller that made it. One plugin server with two API keys
+(A and B) and a tenant header set by a (trusted) gateway. On every release path, B naming A's
+session neither moves A's blocks nor gets an answer that tells a right guess of A's prompt from
+a wrong one; A's own releases still work; a client's ``vllm_xargs`` cannot pose as another
+principal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from vllm_affinity.core.tenants import key_principal
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_window
+
+pytestmark = pytest.mark.e2e
+
+KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
+TENANT_HEADER = "X-Tenant-ID"
+TIMING = ("render_ms", "engine_ms")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[VLLMServer]:
+    with VLLMServer(
+        api_key=KEY_A,
+        more_api_keys=(KEY_B,),
+        num_blocks=128,
+        env={"VLLM_AFFINITY_TENANT_HEADER": TENANT_HEADER},
+    ) as running:
+        yield running
+
+
+def auth(key: str, **headers: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", **headers}
+
+
+def chat(
+    server: VLLMServer, key: str, session: str, window: list[dict[str, Any]], **headers: str
+) -> None:
+    with openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0) as client:
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=window,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_headers={"X-Session-ID": session, **headers},
+        )
+
+
+def release_body(session: str, window: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": SERVED_NAME, "cache_salt": session, "cache_sharing": True,
+            "messages": window, "messages_released_index": 2}  # fmt: skip
+
+
+def post(server: VLLMServer, key: str, body: dict[str, Any], **headers: str) -> dict[str, Any]:
+    response = server.release(body, headers=auth(key, **headers))
+    assert response.status_code == 200, response.text
+    return {k: v for k, v in response.json().items() if k not in TIMING}
+
+
+def demotions(server: VLLMServer) -> dict[str, int]:
+    """What a release or idle signal moves: any change here touched somebody's blocks."""
+    stats = server.engine_stats()
+    return {
+        "released": stats["segments"]["released"],
+        "idle": stats["segments"]["idle"],
+        "blocks_moved": stats.get("blocks_moved", 0),
+        "blocks_pending": stats.get("blocks_pending", 0),
+        "blocks_idled": stats.get("blocks_idled", 0),
+    }
+
+
+def test_post_release_of_another_keys_session_is_no_oracle(server: VLLMServer) -> None:
+    window = filler_window(seed=701, words=300)
+    chat(server, KEY_A, "tenants-post", window)
+    before = demotions(server)
+    right = post(server, KEY_B, release_body("tenants-post", window))
+    wrong = post(server, KEY_B, release_body("tenants-post", filler_window(seed=702, words=300)))
+    assert right == wrong  # the same answer for a right and a wrong guess of A's prompt
+    assert right["status"] == "unknown_session" and right["block_released"] == 0
+    assert demotions(server) == before
+    own = post(server, KEY_A, release_body("tenants-post", window))
+    assert own["status"] == "ok" and own["block_released"] > 0
+
+
+def test_in_request_hint_on_another_keys_session_releases_nothing(server: VLLMServer) -> None:
+    window = filler_window(seed=711, words=300)
+    chat(server, KEY_A, "tenants-hint", window)
+    before = server.engine_stats()
+    rewritten = window[:2] + filler_window(seed=712, words=100)[2:]
+    chat(server, KEY_B, "tenants-hint", rewritten, **{"X-KV-Release": "messages_released_index=2"})
+    after = server.engine_stats()
+    assert after.get("block_released_in_request", 0) == before.get("block_released_in_request", 0)
+    assert after["segments"]["released"] == before["segments"]["released"]
+    chat(server, KEY_A, "tenants-hint", rewritten, **{"X-KV-Release": "messages_released_index=2"})
+    mine = server.engine_stats()
+    assert mine["block_released_in_request"] > after.get("block_released_in_request", 0)
+
+
+def test_a_client_cannot_pose_as_another_principal_in_vllm_xargs(server: VLLMServer) -> None:
+    window = filler_window(seed=721, words=300)
+    chat(server, KEY_A, "tenants-xargs", window)
+    before = server.engine_stats()
+    spoofed = {"vllm_xargs": {"kv_principal": key_principal(KEY_A),
+                              "kv_release": "messages_released_index=2"}}  # fmt: skip
+    with openai.OpenAI(base_url=server.base_url, api_key=KEY_B, max_retries=0) as client:
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=window[:2], max_tokens=2,  # type: ignore[arg-type]
+            extra_headers={"X-Session-ID": "tenants-xargs"}, extra_body=spoofed,
+        )  # fmt: skip
+    after = server.engine_stats()
+    assert after.get("block_released_in_request", 0) == before.get("block_released_in_request", 0)
+    assert after["segments"]["released"] == before["segments"]["released"]
+
+
+def test_agent_hint_evict_of_another_keys_session_is_no_oracle(server: VLLMServer) -> None:
+    window = filler_window(seed=731, words=300)
+    chat(server, KEY_A, "tenants-agent-hint", window)
+    before = demotions(server)
+
+    def evict(key: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {
+            "model": SERVED_NAME, "messages": messages, "max_tokens": 1,
+            "agent_hint": {"session_id": "tenants-agent-hint", "context_management": {
+                "manage_request": True,
+                "edits": [{"type": "evict", "target": "messages", "start": 2, "end": 4}]}},
+        }  # fmt: skip
+        response = httpx.post(
+            server.base_url + "/chat/completions", json=body, headers=auth(key), timeout=60
+        )
+        assert response.status_code == 200, response.text
+        figures = response.json()["kv_cache"]
+        return {k: v for k, v in figures.items() if k not in TIMING}
+
+    right, wrong = evict(KEY_B, window), evict(KEY_B, filler_window(seed=732, words=300))
+    assert right == wrong and right["status"] == "unknown_session"
+    assert demotions(server) == before
+    assert evict(KEY_A, window)["block_released"] > 0
+
+
+def test_next_use_on_another_keys_session_name_leaves_its_record(server: VLLMServer) -> None:
+    """B's calls under A's session name (an idle hint included) bind and idle B's own session:
+    A's record stays, so A's release still finds its cache."""
+    window = filler_window(seed=741, words=300)
+    chat(server, KEY_A, "tenants-idle", window)
+    chat(
+        server, KEY_B, "tenants-idle", filler_window(seed=742, words=300), **{"X-KV-Next-Use": "60"}
+    )
+    own = post(server, KEY_A, release_body("tenants-idle", window))
+    assert own["status"] == "ok" and own["block_released"] > 0
+
+
+def test_the_gateways_tenant_header_scopes_sessions_over_one_key(server: VLLMServer) -> None:
+    window = filler_window(seed=751, words=300)
+    chat(server, KEY_A, "tenants-header", window, **{TENANT_HEADER: "team-1"})
+    before = demotions(server)
+    other = post(server, KEY_A, release_body("tenants-header", window), **{TENANT_HEADER: "team-2"})
+    keyed = post(server, KEY_A, release_body("tenants-header", window))  # no header: the key's
+    assert other["status"] == keyed["status"] == "unknown_session"
+    assert demotions(server) == before
+    own = post(server, KEY_A, release_body("tenants-header", window), **{TENANT_HEADER: "team-1"})
+    assert own["status"] == "ok" and own["block_released"] > 0
