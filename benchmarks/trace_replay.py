@@ -15,15 +15,15 @@ replay`` runs), the simulator beside it:
 - ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace;
 - the subagent options of ``lifecycle`` one at a time (the hook names each subagent's parent):
   ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
-  ``no-protect`` (no PROTECTED segment for waiting parents), ``no-parents`` (neither: the hook
-  names no parent).
+  ``protect`` (a waiting parent's blocks in the PROTECTED segment, up to a quarter of the pool;
+  off as shipped), ``no-parents`` (neither: the hook names no parent).
 
 ``--api messages`` replays through the ``anthropic`` SDK on ``/v1/messages``, as coding agents
 call; the default ``chat`` through the ``openai`` SDK.
 
     python benchmarks/trace_replay.py --traces agentinfer,mooncake=/path/conversation_trace.jsonl
     python benchmarks/trace_replay.py --traces agentinfer --api messages \
-        --scenarios vanilla,lifecycle,child-idle,no-protect,no-parents --name coding_agents
+        --scenarios vanilla,lifecycle,child-idle,protect,no-parents --name coding_agents
     python benchmarks/trace_replay.py --quick        # CI: the synthetic trace in all 4 formats
 
 Output: ``<out>/trace_replay[_quick].json`` and ``.md`` (default ``benchmarks/results``).
@@ -82,8 +82,8 @@ SCENARIOS = (
         env=(("VLLM_AFFINITY_CHILD_END", "idle"),),
     ),
     Scenario(
-        "no-protect", plugin=True, lifecycle=True, next_use="finish",
-        env=(("VLLM_AFFINITY_PROTECT_SHARE", "0"),),
+        "protect", plugin=True, lifecycle=True, next_use="finish",
+        env=(("VLLM_AFFINITY_PROTECT_SHARE", "0.25"),),
     ),
     Scenario("no-parents", plugin=True, lifecycle=True, next_use="finish", parents=False),
 )  # fmt: skip

@@ -72,8 +72,8 @@ class PoolAffinity:
         self.sessions = SessionBlocks(settings.max_sessions)
         self.subagents = Subagents(settings.max_sessions)
         self._child_end = settings.child_end
-        #: Most blocks the PROTECTED segment may hold (waiting parents' blocks).
-        self._protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
+        #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
+        self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
 
@@ -182,7 +182,9 @@ class PoolAffinity:
     def _protect(self, parent: str) -> None:
         """The parent's blocks (prefix first, the part a hit needs) go to PROTECTED, within the
         cap; blocks in use or already demoted by a release stay as they are."""
-        room = self._protect_cap - self.queue.segment_sizes()["protected"]
+        room = self.protect_cap - self.queue.segment_sizes()["protected"]
+        if room <= 0:
+            return
         blocks, moved = self.pool.blocks, 0
         for block_id in self.sessions.unreused(parent, 0):
             if moved >= room:

@@ -219,7 +219,8 @@ def lead_and_subagent(parent: str | None) -> tuple[Any, Any, int, int]:
     """A lead's call ends in a tool call (it hands a task to a subagent), then another
     session's; the subagent's first call then needs more blocks than are free. Returns the
     manager, the subagent's request and the prompt tokens the lead and the other would hit."""
-    manager = make_manager(13)  # 12 usable; the PROTECTED cap is int(0.25 * 13) = 3 blocks
+    manager = make_manager(13)  # 12 usable
+    state_of(manager).protect_cap = 3  # VLLM_AFFINITY_PROTECT_SHARE=0.25 (off by default)
     lead = make_request(tokens(0, 4), session="lead")
     other = make_request(tokens(500, 4), session="other")
     for request in (lead, other):  # LRU order: the lead's blocks, then the other's

@@ -1,7 +1,8 @@
 """End to end on the real plugin server: subagents. A subagent names its parent (the hook's
 ``session(id, parent=...)``, or Claude Code's own session and agent headers on
-``/v1/messages``); while it runs the parent's blocks sit in the PROTECTED segment, and the call
-that ends its task releases its own blocks as dead and lets the parent go."""
+``/v1/messages``); the engine counts it as running until the call that ends its task, which
+releases its own blocks as dead. (The PROTECTED segment for waiting parents is off by default;
+``tests/server/test_adapter.py`` checks it on vLLM's own classes.)"""
 
 from __future__ import annotations
 
@@ -54,14 +55,12 @@ def test_hook_subagent_protects_its_parent_and_its_end_releases_it(
                 chat(602)
             running = server.engine_stats()
             assert running["children"] == before["children"] + 1
-            assert running["blocks_protected"] > before.get("blocks_protected", 0)
-            assert running["segments"]["protected"] > 0
             with jiuwen_hooks.next_use(60):
                 chat(603)  # its last call: the task is done
     after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
     released = after.get("block_released_child_end", 0) - before.get("block_released_child_end", 0)
     assert released > 0
-    assert after["segments"]["protected"] == 0
+    assert after["segments"]["protected"] == 0  # off by default
 
 
 def test_claude_code_headers_make_a_subagent_on_messages(vllm_affinity_server: VLLMServer) -> None:
@@ -86,7 +85,6 @@ def test_claude_code_headers_make_a_subagent_on_messages(vllm_affinity_server: V
         call(612, sub)
         running = server.engine_stats()
         assert running["children"] == before["children"] + 1
-        assert running["segments"]["protected"] > 0
         call(613, {**sub, NEXT_USE: "60"})
     after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
     assert after.get("children_ended", 0) > before.get("children_ended", 0)
