@@ -6,12 +6,15 @@ principal."""
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vllm_affinity.core.tenants import key_principal
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_window
@@ -163,3 +166,26 @@ def test_the_gateways_tenant_header_scopes_sessions_over_one_key(server: VLLMSer
     assert demotions(server) == before
     own = post(server, KEY_A, release_body("tenants-header", window), **{TENANT_HEADER: "team-1"})
     assert own["status"] == "ok" and own["block_released"] > 0
+
+
+def test_fuzzed_tenant_header_values_never_break_a_call(server: VLLMServer) -> None:
+    """Whatever the tenant header holds (empty, long, odd characters), a chat with a release
+    hint and a POST release are served or refused cleanly, never a 5xx."""
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    @settings(max_examples=25, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(value=st.text(string.printable.strip() + " ", max_size=300).map(str.strip))
+    def one(value: str) -> None:
+        headers = auth(KEY_B, **{TENANT_HEADER: value, "X-Session-ID": "tenants-fuzz",
+                                 "X-KV-Release": "messages_released_index=1"})  # fmt: skip
+        with httpx.Client(base_url=server.root_url, timeout=60) as http:
+            chat = http.post("/v1/chat/completions", json=body, headers=headers)
+            assert chat.status_code == 200, chat.text
+            release = http.post(
+                "/release_kv_cache", json=release_body("tenants-fuzz", body["messages"] * 3),
+                headers=headers,
+            )  # fmt: skip
+            assert release.status_code == 200, release.text
+
+    one()

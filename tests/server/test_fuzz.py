@@ -148,9 +148,20 @@ def test_oversized_body_is_a_413(vllm_affinity_server: VLLMServer, http: httpx.C
     assert engine_releases(server) == before
 
 
-def test_fuzzed_release_header(vllm_affinity_server: VLLMServer, http: httpx.Client) -> None:
+HINTED_REQUESTS = {
+    "/v1/chat/completions": {
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+    },
+    "/v1/responses": {"model": SERVED_NAME, "input": "hi", "max_output_tokens": 16},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(HINTED_REQUESTS))
+def test_fuzzed_release_header(
+    vllm_affinity_server: VLLMServer, http: httpx.Client, path: str
+) -> None:
     server = vllm_affinity_server
-    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    body = HINTED_REQUESTS[path]
 
     @settings(
         max_examples=max(EXAMPLES // 3, 10),
@@ -161,7 +172,7 @@ def test_fuzzed_release_header(vllm_affinity_server: VLLMServer, http: httpx.Cli
     @given(value=st.text(string.printable.strip() + " ", max_size=60).map(str.strip))
     def one(value: str) -> None:
         headers = {**server.headers(), "X-Session-ID": "fuzz-hint", "X-KV-Release": value}
-        response = http.post("/v1/chat/completions", json=body, headers=headers)
+        response = http.post(path, json=body, headers=headers)
         assert response.status_code in (200, 400), response.text
 
     one()
