@@ -81,17 +81,24 @@ def responses_window(body: Mapping[str, Any]) -> Window | str | None:
 def without_cache_control(value: Any) -> Any:
     """``value`` as plain JSON (as ``to_plain``) with every ``cache_control`` key removed
     (Anthropic's prompt caching markers, which the prompt's tokens do not depend on). One pass:
-    strings are shared, not copied."""
-    if isinstance(value, str | int | float | bool) or value is None:
+    strings are shared, not copied, and not recursed into (the common message is a dict of
+    strings, so this runs per message, not per field)."""
+    kind = type(value)
+    if kind is str or value is None or kind is int or kind is float or kind is bool:
         return value
-    if isinstance(value, Mapping):
-        return {
-            str(k): without_cache_control(v)
-            for k, v in value.items()
-            if v is not None and k != "cache_control"
-        }
-    if isinstance(value, list | tuple):
-        return [without_cache_control(v) for v in value]
+    if kind is dict or isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if item is None or key == "cache_control":
+                continue
+            out[key if type(key) is str else str(key)] = (
+                item if type(item) is str else without_cache_control(item)
+            )
+        return out
+    if kind is list or kind is tuple or isinstance(value, list | tuple):
+        return [item if type(item) is str else without_cache_control(item) for item in value]
+    if isinstance(value, str | int | float | bool):  # subclasses (enums and the like)
+        return value
     return without_cache_control(to_plain(value))  # SDK objects: dumped once, then as above
 
 
