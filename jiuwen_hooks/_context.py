@@ -4,7 +4,8 @@ in-request release header, and (only when asked for) ``cache_salt`` in the body.
 First match wins: an explicit ``cache_salt`` in the extra body; openJiuwen's
 ``agent_hint.session_id`` in the extra body; the ``session()`` context (a contextvar, so threads
 and asyncio tasks each keep their own); the ``X-Session-ID`` header of the call; the same header
-among the client's ``default_headers``; a user resolver.
+among the client's ``default_headers``; an Anthropic call's ``metadata.user_id`` (only with
+``session_from_user_id``); a user resolver.
 """
 
 from __future__ import annotations
@@ -141,7 +142,16 @@ def _body_session(extra_body: Any) -> str | None:
     return None
 
 
-def resolve_session(call: ModelCall, resolver: SessionResolver | None) -> str | None:
+def _user_id(body: Mapping[str, Any]) -> str | None:
+    """An Anthropic request's ``metadata.user_id``."""
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    return user_id if isinstance(user_id, str) and user_id else None
+
+
+def resolve_session(
+    call: ModelCall, resolver: SessionResolver | None, from_user_id: bool = False
+) -> str | None:
     if (found := _body_session(call.extra_body)) is not None:
         return found
     if (current := _current_session.get()) is not None:
@@ -149,6 +159,8 @@ def resolve_session(call: ModelCall, resolver: SessionResolver | None) -> str | 
     if (found := header(call.headers, SESSION_HEADER)) is not None:
         return found
     if (found := header(call.default_headers, SESSION_HEADER)) is not None:
+        return found
+    if from_user_id and call.api == "messages" and (found := _user_id(call.body)) is not None:
         return found
     if resolver is not None:
         try:

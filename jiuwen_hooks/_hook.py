@@ -129,7 +129,9 @@ class Hook:
         self.warnings.warn("internal", f"jiuwen_hooks: internal error; {what}", exc_info=True)
 
     def _before_call(self, call: ModelCall) -> PreparedCall | None:
-        session_id = resolve_session(call, self.options.session_resolver)
+        session_id = resolve_session(
+            call, self.options.session_resolver, self.options.session_from_user_id
+        )
         if session_id is None:
             return None
         window = window_of(call.api, call.body)

@@ -57,6 +57,10 @@ class Options:
     warning_interval: float = 60.0
     compressors: tuple[str, ...] = ()
     session_resolver: SessionResolver | None = field(default=None, compare=False)
+    #: Anthropic Messages calls with no other session source take ``metadata.user_id`` as their
+    #: session (Claude-Code-style agents put their session id there). Off by default: in most
+    #: applications it names a user, whose conversations are many sessions.
+    session_from_user_id: bool = False
     tracer_provider: Any = field(default=None, compare=False)
     meter_provider: Any = field(default=None, compare=False)
 

@@ -114,6 +114,19 @@ def test_metadata_user_id_by_resolver_only(engine: LocalEngine) -> None:
     assert engine.chats[0].headers.get("x-session-id") is None
 
 
+def test_metadata_user_id_by_option(engine: LocalEngine) -> None:
+    jiuwen_hooks.install(session_from_user_id=True)
+    client = sdk(engine)
+    for messages in (FIRST, COMPACTED):
+        client.messages.create(
+            model="m", system=SYSTEM, messages=messages, max_tokens=8,
+            metadata={"user_id": "user_ab_session_9"},
+        )  # fmt: skip
+    assert [c.headers.get("x-session-id") for c in engine.chats] == ["user_ab_session_9"] * 2
+    assert len(engine.releases) == 1
+    jiuwen_hooks.uninstall()
+
+
 def test_uninstall_stops_tracking(engine: LocalEngine) -> None:
     jiuwen_hooks.install()
     client = sdk(engine, default_headers={"X-Session-ID": "anthropic-gone"})

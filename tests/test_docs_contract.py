@@ -85,3 +85,15 @@ def test_every_server_setting_is_in_the_readme_table_and_no_other() -> None:
     readme = (root / "README.md").read_text()
     table = set(re.findall(r"^\| `(VLLM_AFFINITY_\w+)` \|", readme, flags=re.MULTILINE))
     assert table == read
+
+
+def test_every_hook_option_is_in_the_readme_table_and_no_other() -> None:
+    """The README's options table names exactly the fields of ``Options``."""
+    import dataclasses
+
+    from jiuwen_hooks._options import Options
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| (`\w+`(?:, `\w+`)*) \| (?:`JIUWEN_|—)", readme, flags=re.MULTILINE)
+    table = {name.strip("` ") for row in rows for name in row.split(",")}
+    assert table == {f.name for f in dataclasses.fields(Options)}
