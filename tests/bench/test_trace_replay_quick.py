@@ -75,6 +75,34 @@ def test_each_format_vanilla_vs_plugin(
     assert hooked["releases"]["in_request"] > 0 and hooked["releases"]["not_applied"] == 0
 
 
+def test_coding_agent_on_messages_with_subagents(
+    traces: dict[str, Path], vllm_affinity_server, vllm_vanilla_server, tmp_path: Path
+) -> None:
+    """The anthropic SDK on ``/v1/messages``, subagents naming their lead, and the finish
+    signals a real model gives: served without an error, every subagent's end seen by the
+    plugin, and no more prompt tokens computed than on vanilla vLLM."""
+    server = vllm_affinity_server
+    before = server.engine_stats()
+    result = replay(
+        [
+            "--trace", str(traces["agentinfer"]), "--format", "agentinfer", "--speed", "0",
+            "--api", "messages", "--next-use", "finish", "--api-key", server.api_key,
+            "--base-url", server.base_url, "--baseline-url", vllm_vanilla_server.base_url,
+        ],
+        tmp_path,
+        "replay_messages",
+    )  # fmt: skip
+    baseline, hooked = result["runs"]
+    for run in (baseline, hooked):
+        assert run["errors"] == 0 and run["calls"] == result["trace"]["requests"]
+        assert run["hit_rate"] == pytest.approx(run["server_hit_rate"], abs=0.005)
+    assert hooked["engine_state"] == "in_request" and hooked["releases"]["in_request"] > 0
+    after = server.engine_stats()
+    ended = after.get("children_ended", 0) - before.get("children_ended", 0)
+    assert ended == result["trace"]["subagents"]
+    assert hooked["computed_tokens"] <= baseline["computed_tokens"]
+
+
 def test_one_url_alternates_with_and_without_the_hook(
     traces: dict[str, Path],
     vllm_vanilla_server,
