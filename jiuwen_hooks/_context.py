@@ -17,15 +17,16 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_affinity.core.hint import HEADER as RELEASE_HEADER
-from vllm_affinity.core.lifecycle import HEADER as NEXT_USE_HEADER
-from vllm_affinity.core.session_headers import PARENT_HEADER
+from jiuwen_kv_protocol.headers import (
+    NEXT_USE_HEADER,
+    PARENT_HEADER,
+    RELEASE_HEADER,
+    SESSION_HEADER,
+)
 
 from . import _state
 from ._options import SessionResolver
 from ._telemetry import logger
-
-SESSION_HEADER = "X-Session-ID"
 
 _current_session: ContextVar[str | None] = ContextVar("jiuwen_hooks_session", default=None)
 _next_use: ContextVar[float | None] = ContextVar("jiuwen_hooks_next_use", default=None)

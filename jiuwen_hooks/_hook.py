@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_affinity.core.hint import ReleaseHint
+from jiuwen_kv_protocol.hint import ReleaseHint
 
 from . import _state
 from ._compressor import compressor_wrapper, parse_dotted

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from jiuwen_kv_protocol.headers import RELEASE_PATH
+
 SessionResolver = Callable[[dict[str, Any]], str | None]
 DispatchMode = Literal["inline", "background"]
 
@@ -26,7 +28,7 @@ class Options:
     #: Full URL of the release endpoint; default: the openai client's base URL without ``/v1``
     #: followed by ``release_path``.
     release_url: str | None = None
-    release_path: str = "/release_kv_cache"
+    release_path: str = RELEASE_PATH
     #: Seconds for the whole release request (connect + response).
     timeout: float = 1.0
     #: Send the session as the ``X-Session-ID`` header of tracked chat requests (no body field).

@@ -26,7 +26,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import Status, StatusCode
 
-from vllm_affinity.contract import ReleaseReceipt
+from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, SESSION_HEADER
+from jiuwen_kv_protocol.models import ReleaseReceipt
 
 from ._engines import EngineDirectory, EngineState, state_from_capabilities
 from ._options import Options
@@ -34,7 +35,6 @@ from ._sessions import ReleasePlan
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, logger
 from ._windows import messages_body, responses_body
 
-CAPABILITIES_PATH = "/affinity/capabilities"
 #: Outcomes after which an engine root is left alone for ``failure_cooldown`` seconds.
 _UNREACHABLE = frozenset({"timeout", "connect_error", "connection_reset"})
 
@@ -196,7 +196,7 @@ class ReleaseClient:
         attributes["jiuwen.release.mode"] = "post"
         attributes["jiuwen.engine.state"] = str(self.engines.state(plan.target.root))
         with self._telemetry.release_span(attributes) as span:
-            headers = {"Content-Type": "application/json", "X-Session-ID": plan.session_id}
+            headers = {"Content-Type": "application/json", SESSION_HEADER: plan.session_id}
             if plan.target.api_key:
                 headers["Authorization"] = f"Bearer {plan.target.api_key}"
             propagate.inject(headers)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from vllm_affinity.contract import ReleaseReceipt
+from jiuwen_kv_protocol.models import ReleaseReceipt
 
 
 @dataclass(frozen=True)

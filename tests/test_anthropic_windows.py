@@ -11,7 +11,7 @@ from jiuwen_hooks._diff import diff_windows
 from jiuwen_hooks._release import EngineTarget, release_payload
 from jiuwen_hooks._sessions import ReleasePlan
 from jiuwen_hooks._windows import api_of, messages_body, messages_window, rewritten_messages
-from vllm_affinity.contract import ReleaseRequest
+from jiuwen_kv_protocol.models import ReleaseRequest
 
 SYSTEM = [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "x"}}]
 

@@ -18,7 +18,7 @@ def field_names(model: type) -> set[str]:
 
 
 def test_release_request_fields_are_all_documented() -> None:
-    from vllm_affinity.contract import ReleaseRequest
+    from jiuwen_kv_protocol.models import ReleaseRequest
 
     table = re.findall(r"^\| `(\w+)` \|", documented(), flags=re.MULTILINE)
     assert set(table) == field_names(ReleaseRequest)
@@ -26,7 +26,7 @@ def test_release_request_fields_are_all_documented() -> None:
 
 def test_answer_fields_are_all_documented() -> None:
     """Every figure of an engine's release is in the documented 200 answer."""
-    from vllm_affinity.contract import EngineRelease, ReleaseReceipt
+    from jiuwen_kv_protocol.models import EngineRelease, ReleaseReceipt
 
     answer = re.search(r"\*\*Answer 200\*\*.*?```(.*?)```", documented(), flags=re.DOTALL)
     assert answer is not None
@@ -35,7 +35,7 @@ def test_answer_fields_are_all_documented() -> None:
 
 
 def test_prefetch_figures_are_documented() -> None:
-    from vllm_affinity.contract import EngineRestore
+    from jiuwen_kv_protocol.models import EngineRestore
 
     for name in field_names(EngineRestore):
         assert f'"{name}"' in documented(), f"EngineRestore.{name} is not in docs/contract.md"
@@ -51,14 +51,14 @@ def test_agent_hint_fields_are_all_documented() -> None:
 
 
 def test_in_request_hint_keys_are_documented() -> None:
-    from vllm_affinity.core.hint import _KEYS
+    from jiuwen_kv_protocol.hint import _KEYS
 
     for key in _KEYS:
         assert f"`{key}`" in documented()
 
 
 def test_stats_fields_are_all_documented() -> None:
-    from vllm_affinity.contract import EngineStats, Segments
+    from jiuwen_kv_protocol.models import EngineStats, Segments
 
     stats = re.search(r"## Stats.*?```(.*?)```", documented(), flags=re.DOTALL)
     assert stats is not None
@@ -68,7 +68,7 @@ def test_stats_fields_are_all_documented() -> None:
 
 def test_the_readme_summary_names_every_request_field() -> None:
     """The README's contract block (its first code block) is the short form of the same."""
-    from vllm_affinity.contract import ReleaseRequest
+    from jiuwen_kv_protocol.models import ReleaseRequest
 
     readme = (CONTRACT.parents[1] / "README.md").read_text()
     block = re.search(r"```\n(.*?)```", readme, flags=re.DOTALL)

@@ -228,3 +228,16 @@ def test_session_from_agent_hint_and_call_headers(jiuwen_engine: Any) -> None:
     assert (second.body["cache_salt"], second.body["messages_released_index"]) == ("per-call", 1)
     assert jiuwen_engine.chats[0].body["agent_hint"] == {"session_id": "jiuwen-7"}  # kept
     client.close()
+
+
+def test_the_agent_library_loads_nothing_of_the_server_plugin() -> None:
+    """``jiuwen_hooks`` and the plugin share only the neutral ``jiuwen_kv_protocol`` package."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jiuwen_hooks, jiuwen_hooks.testing\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm_affinity'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

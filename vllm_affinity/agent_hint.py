@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
-from .contract import EngineRestore, ReleaseError, ReleaseRequest
+from jiuwen_kv_protocol.models import EngineRestore, ReleaseError, ReleaseRequest
+
 from .core.agent_hint import AgentHint, AgentHintError
 from .core.tenants import scoped
 from .engine import PARENT_KEY

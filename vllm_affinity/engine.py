@@ -28,8 +28,15 @@ from typing import Any
 
 import wrapt
 
+from jiuwen_kv_protocol.models import (
+    EngineIdle,
+    EngineRelease,
+    EngineRestore,
+    EngineStats,
+    Segments,
+)
+
 from .compat import check_supported_vllm
-from .contract import EngineIdle, EngineRelease, EngineRestore, EngineStats, Segments
 from .core import (
     IdleResult,
     ReleaseResult,

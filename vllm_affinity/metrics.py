@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .contract import EngineStats
+from jiuwen_kv_protocol.models import EngineStats
 
 RELEASE_MODES = ("post", "in_request", "divergence", "agent_hint", "child_end")
 

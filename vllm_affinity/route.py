@@ -28,11 +28,13 @@ from fastapi.responses import JSONResponse
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
+from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, RELEASE_PATH, SESSION_HEADER
+from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
+from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseRequest
+
 from ._version import plugin_version
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
-from .contract import EngineRelease, ReleaseError, ReleaseRequest
 from .core import HintError, ReleaseHint, engine_rank
-from .core.hint import HEADER as HINT_HEADER
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
@@ -46,7 +48,6 @@ logger = logging.getLogger("vllm_affinity")
 tracer = trace.get_tracer("vllm_affinity")
 router = APIRouter()
 #: The session header of the hook (and of vLLM's own session routing).
-SESSION_HEADER = "X-Session-ID"
 
 #: What ``GET /affinity/capabilities`` and every ``/release_kv_cache`` 200 answer advertise; the
 #: hook switches an engine to in-request releases when it sees ``in_request_release``.
@@ -375,12 +376,12 @@ def _messages_request(
         raise ReleaseError(400, f"invalid messages or tools: {exc.errors()[0]['msg']}") from None
 
 
-@router.post("/release_kv_cache")
+@router.post(RELEASE_PATH)
 async def release_kv_cache(raw: Request) -> JSONResponse:
     return await _service(raw).handle(raw)
 
 
-@router.get("/affinity/capabilities")
+@router.get(CAPABILITIES_PATH)
 async def affinity_capabilities(raw: Request) -> JSONResponse:
     service = _service(raw)
     if service.api_tokens and not service._authorised(raw):

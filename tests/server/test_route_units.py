@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from vllm_affinity.contract import ReleaseRequest
+from jiuwen_kv_protocol.models import ReleaseRequest
 from vllm_affinity.core import HintError, ReleaseHint, engine_rank
 from vllm_affinity.engine import HINT_KEY
 from vllm_affinity.route import apply_cache_sharing, apply_release_hint

@@ -1,6 +1,7 @@
 """Pure core of the server plugin: no vLLM import, no I/O."""
 
-from .hint import HintError, ReleaseHint
+from jiuwen_kv_protocol.hint import HintError, ReleaseHint
+
 from .placement import engine_rank
 from .queue import IdleResult, ReleaseResult, Segment, SegmentedFreeBlockQueue
 from .sessions import ReleaseSelection, SessionBlocks

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-HEADER = "X-KV-Next-Use"
+from jiuwen_kv_protocol.headers import NEXT_USE_HEADER as HEADER
+
 #: ``finish_reason`` values that end a session's burst: the model answered its user.
 _ANSWERED = frozenset({"stop"})
 

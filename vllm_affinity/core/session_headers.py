@@ -19,15 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from jiuwen_kv_protocol.headers import PARENT_HEADER, SESSION_HEADER
+
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
-    "X-Session-ID",
+    SESSION_HEADER,
     "X-Claude-Code-Session-Id",
     "session-id",
     "X-Session-Affinity",
 )
 CLAUDE_CODE_SESSION = "x-claude-code-session-id"
 CLAUDE_CODE_AGENT = "x-claude-code-agent-id"
-PARENT_HEADER = "X-Parent-Session-ID"
 #: Longest session name taken from a header (longer values are ignored, not truncated).
 MAX_SESSION_LENGTH = 512
 

@@ -1,4 +1,4 @@
-"""Pure core: the in-request release hint, ``X-KV-Release`` (an RFC 8941 dictionary).
+"""The in-request release hint, ``X-KV-Release`` (an RFC 8941 dictionary).
 
     X-KV-Release: messages_released_index=5, tools_released_index=1
 
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import http_sf
 
-HEADER = "X-KV-Release"
+from .headers import RELEASE_HEADER as HEADER
+
 _KEYS = ("messages_released_index", "tools_released_index")
 
 
