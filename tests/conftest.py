@@ -35,6 +35,17 @@ def call(request: pytest.FixtureRequest, jiuwen_engine: LocalEngine) -> Iterator
     caller.close()
 
 
+@pytest.fixture(autouse=True)
+def no_hook_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test that leaves the process-wide hook installed (and uninstalls it), so one
+    test's hook never changes what the next one sees. Set up first, torn down last: fixtures
+    that install and uninstall around a test are done by the time this looks."""
+    yield
+    if jiuwen_hooks.installed() is not None:
+        jiuwen_hooks.uninstall()
+        pytest.fail(f"{request.node.nodeid} left jiuwen_hooks installed", pytrace=False)
+
+
 @pytest.fixture
 def clean_hook() -> Iterator[None]:
     """No hook installed when the test starts, none left behind when it ends (failed or not)."""
