@@ -97,6 +97,7 @@ test-client: $(DEV) nginx lint
 lint: $(DEV)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: $(DEV)
 	$(PY) -m ruff format .

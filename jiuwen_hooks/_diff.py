@@ -9,7 +9,7 @@ a few small dicts per message, not a copy of the text.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ def to_plain(value: Any) -> Any:
 def canonical_message(message: Any) -> Message:
     """The wire form of one chat message: a dict, a pydantic message object or any object with the
     same attributes. Empty ``tool_calls`` is treated as absent (templates treat them alike)."""
+    get: Callable[[str], Any]
     if isinstance(message, Mapping):
         get = message.get
     else:

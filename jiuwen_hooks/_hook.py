@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from jiuwen_kv_protocol.hint import ReleaseHint
 
@@ -61,11 +61,14 @@ class PreparedCall:
     wait_for: CompressorJob | None = None  # a compressor release on the wire
 
 
-def _never_raises(what: str) -> Callable[[Any], Any]:
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _never_raises(what: str) -> Callable[[_Method], _Method]:
     """Method decorator, sync or async: an internal error is counted and logged (rate-limited)
     and the method returns ``None``. A release must never break the agent."""
 
-    def decorate(method: Any) -> Any:
+    def decorate(method: _Method) -> _Method:
         if inspect.iscoroutinefunction(method):
 
             @functools.wraps(method)
@@ -76,7 +79,7 @@ def _never_raises(what: str) -> Callable[[Any], Any]:
                     self._internal_error(what)
                     return None
 
-            return guarded_async
+            return cast(_Method, guarded_async)
 
         @functools.wraps(method)
         def guarded(self: Hook, *args: Any, **kwargs: Any) -> Any:
@@ -86,7 +89,7 @@ def _never_raises(what: str) -> Callable[[Any], Any]:
                 self._internal_error(what)
                 return None
 
-        return guarded
+        return cast(_Method, guarded)
 
     return decorate
 

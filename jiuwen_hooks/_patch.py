@@ -34,7 +34,7 @@ class Patches:
     """The wrappers one ``install()`` put in place, removable in any order with others'."""
 
     def __init__(self) -> None:
-        self._applied: list[tuple[Any, str, wrapt.FunctionWrapper]] = []
+        self._applied: list[tuple[Any, str, Any]] = []  # (owner, name, wrapt.FunctionWrapper)
 
     def wrap(self, module: str, path: str, wrapper: Wrapper) -> bool:
         found = resolve(module, path)

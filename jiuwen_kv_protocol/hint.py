@@ -10,6 +10,7 @@ chains, which is exact); they are checked, recorded on spans and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import http_sf
 
@@ -28,7 +29,7 @@ class ReleaseHint:
     tools_released_index: int | None = None
 
     def header_value(self) -> str:
-        fields: dict[str, int] = {"messages_released_index": self.messages_released_index}
+        fields: dict[str, Any] = {"messages_released_index": self.messages_released_index}
         if self.tools_released_index is not None:
             fields["tools_released_index"] = self.tools_released_index
         return http_sf.ser(fields)
@@ -36,7 +37,7 @@ class ReleaseHint:
     @classmethod
     def parse(cls, value: str) -> ReleaseHint:
         try:
-            parsed = http_sf.parse(value.encode("ascii"), tltype="dictionary")
+            parsed: Any = http_sf.parse(value.encode("ascii"), tltype="dictionary")
         except (UnicodeEncodeError, ValueError) as exc:
             raise HintError(f"{HEADER} is not an RFC 8941 dictionary: {exc}") from None
         unknown = sorted(set(parsed) - set(_KEYS))

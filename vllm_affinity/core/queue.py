@@ -280,7 +280,7 @@ class SegmentedFreeBlockQueue:
             return
         if self._pending:
             self._pending.difference_update(b.block_id for b in blocks)
-        prev = self._free_head
+        prev: Any = self._free_head
         after = prev.next_free_block
         for block in blocks:  # vLLM's own prepend_n loop: FREE needs no mark
             block.prev_free_block = prev
