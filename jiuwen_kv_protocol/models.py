@@ -6,9 +6,34 @@ against them (``tests/test_docs_contract.py``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: The paths a release reaches the engine by (``releases_<mode>``, ``block_released_<mode>``).
+ReleaseMode = Literal["post", "in_request", "divergence", "agent_hint", "child_end"]
+#: One engine's release outcome; ``mixed``: engines of one data-parallel server disagreed.
+ReleaseStatus = Literal["ok", "unknown_session", "record_mismatch", "mixed"]
+#: One engine's idle-signal outcome (``running``: the session's next request came first).
+IdleStatus = Literal["ok", "unknown_session", "running"]
+
+
+def _counter_names() -> frozenset[str]:
+    modes, releases, idles = get_args(ReleaseMode), get_args(ReleaseStatus), get_args(IdleStatus)
+    return frozenset(
+        {
+            "releases", "blocks_moved", "blocks_pending", "restores", "blocks_restored",
+            "idles", "blocks_idled", "children_ended", "protects", "blocks_protected",
+            *(f"{kind}_{mode}" for kind in ("releases", "block_released", "release_us")
+              for mode in modes),
+            *(f"releases_{status}" for status in releases),
+            *(f"idles_{status}" for status in idles),
+        }
+    )  # fmt: skip
+
+
+#: Every engine counter ``/affinity/stats`` may carry; any other name is a bug.
+COUNTER_NAMES = _counter_names()
 
 
 class ReleaseRequest(BaseModel):
@@ -95,7 +120,7 @@ class EngineRelease(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    status: str
+    status: ReleaseStatus
     #: Blocks demoted now (``moved``) or when their running request frees them (``pending``).
     block_released: int = Field(ge=0)
     moved: int = Field(ge=0)
@@ -132,7 +157,7 @@ class EngineIdle(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     #: ``ok``, ``unknown_session``, or ``running`` (its next request already came: nothing done).
-    status: str
+    status: IdleStatus | ReleaseStatus
     #: Blocks moved from NORMAL to IDLE (the session's own, not in use).
     blocks_idled: int = Field(ge=0)
     #: The session's blocks left alone because another session's latest request holds them.
@@ -144,7 +169,7 @@ class EngineRestore(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    status: str
+    status: ReleaseStatus
     #: Released blocks put back at the most-recently-used end (not reused in the meantime).
     blocks_restored: int = Field(ge=0)
     first_stale_block: int = Field(ge=0)
@@ -194,6 +219,10 @@ class EngineStats(BaseModel):
     num_blocks: int = Field(ge=0)
 
     def counter(self, name: str) -> int:
+        """A counter's value (0 until the engine counts it). An undeclared name raises: a typo
+        must not export zeros."""
+        if name not in COUNTER_NAMES:
+            raise KeyError(f"undeclared engine counter {name!r}")
         value = (self.model_extra or {}).get(name, 0)
         return value if isinstance(value, int) else 0
 
@@ -208,7 +237,7 @@ class ReleaseReceipt(BaseModel):
     capabilities: dict[str, Any] | None = None
 
 
-def merge_status(statuses: Iterable[str]) -> str:
+def merge_status(statuses: Iterable[ReleaseStatus]) -> ReleaseStatus:
     """One status for a release carried out in every engine."""
     found = set(statuses)
     return "ok" if "ok" in found else (found.pop() if len(found) == 1 else "mixed")

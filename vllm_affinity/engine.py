@@ -29,10 +29,12 @@ from typing import Any
 import wrapt
 
 from jiuwen_kv_protocol.models import (
+    COUNTER_NAMES,
     EngineIdle,
     EngineRelease,
     EngineRestore,
     EngineStats,
+    ReleaseMode,
     Segments,
 )
 
@@ -46,6 +48,7 @@ from .core import (
     SessionBlocks,
     first_divergent_block,
 )
+from .core.counters import Counters
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
 from .settings import Settings
@@ -82,7 +85,7 @@ class PoolAffinity:
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, int] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters(COUNTER_NAMES)
 
     def bind_request(self, session: str, request_id: str, blocks: list[Any], prompt: int) -> None:
         """Record the request's blocks as its session's latest, once per growth of its block
@@ -105,12 +108,12 @@ class PoolAffinity:
         self._bound.pop(request_id, None)
         self.sessions.request_finished(session, request_id)
 
-    def release(self, session: str, first_block: int, mode: str = "post") -> dict[str, Any]:
+    def release(self, session: str, first_block: int, mode: ReleaseMode = "post") -> dict[str, Any]:
         """Release the session's latest blocks from block index ``first_block`` on."""
         return self._apply(self.sessions.select_release(session, first_block), first_block, mode)
 
     def release_divergent(
-        self, session: str, chain: list[Any], mode: str, require_common_prefix: bool = False
+        self, session: str, chain: list[Any], mode: ReleaseMode, require_common_prefix: bool = False
     ) -> dict[str, Any]:
         """Release the session's latest blocks from the first one ``chain`` (a prompt's block
         hashes) cannot hit. ``require_common_prefix``: a chain that shares not even its first
@@ -130,7 +133,7 @@ class PoolAffinity:
                 result = self.release(session, first, mode)
             result["prompt_tokens"] = record.num_prompt_tokens
         # time spent in the engine core on this path (what a hinted request adds to its step)
-        self.counters[f"release_us_{mode}"] += round((time.perf_counter() - started) * 1e6)
+        self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
         return result
 
     def restore_divergent(self, session: str, chain: list[Any]) -> dict[str, Any]:
@@ -149,8 +152,8 @@ class PoolAffinity:
             unreused = self.sessions.unreused(session, first)
             restored = sum(self.queue.restore(blocks[b]) for b in unreused)
             status = "ok"
-        self.counters["restores"] += 1
-        self.counters["blocks_restored"] += restored
+        self.counters.add("restores", 1)
+        self.counters.add("blocks_restored", restored)
         return EngineRestore(
             status=status, blocks_restored=restored, first_stale_block=first
         ).model_dump()
@@ -162,10 +165,10 @@ class PoolAffinity:
         A subagent (a session that named a parent) has ended its task instead: its parent stops
         waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own blocks are released
         as dead (what other sessions have hit is kept: ``core/sessions.py``)."""
-        self.counters["idles"] += 1  # every signal, applied or not (a replay waits on it)
+        self.counters.add("idles", 1)  # every signal, applied or not (a replay waits on it)
         if self.subagents.parent_of(session) is not None:
             self._apply_family(self.subagents.ended(session))
-            self.counters["children_ended"] += 1
+            self.counters.add("children_ended", 1)
             if self._child_end == "release" and self.sessions.select_idle(session).status == "ok":
                 result = self.release(session, 0, "child_end")
                 return EngineIdle(
@@ -174,8 +177,8 @@ class PoolAffinity:
         selection = self.sessions.select_idle(session)
         blocks = self.pool.blocks
         moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
-        self.counters[f"idles_{selection.status}"] += 1
-        self.counters["blocks_idled"] += moved
+        self.counters.add(f"idles_{selection.status}", 1)
+        self.counters.add("blocks_idled", moved)
         return EngineIdle(
             status=selection.status, blocks_idled=moved, kept_shared=selection.kept_shared
         ).model_dump()
@@ -197,8 +200,8 @@ class PoolAffinity:
             if moved >= room:
                 break
             moved += self.queue.protect(blocks[block_id])
-        self.counters["protects"] += 1
-        self.counters["blocks_protected"] += moved
+        self.counters.add("protects", 1)
+        self.counters.add("blocks_protected", moved)
 
     def _unprotect(self, parent: str) -> None:
         """The parent stops waiting: its PROTECTED blocks go back to the most-recently-used end
@@ -213,15 +216,17 @@ class PoolAffinity:
         block_hash = self.pool.blocks[block_id].block_hash
         return None if block_hash is None else self._strip_group(block_hash)
 
-    def _apply(self, selection: ReleaseSelection, first_block: int, mode: str) -> dict[str, Any]:
+    def _apply(
+        self, selection: ReleaseSelection, first_block: int, mode: ReleaseMode
+    ) -> dict[str, Any]:
         results = Counter(self.queue.release(self.pool.blocks[b]) for b in selection.block_ids)
         moved, pending = results[ReleaseResult.MOVED], results[ReleaseResult.PENDING]
-        self.counters["releases"] += 1
-        self.counters[f"releases_{selection.status}"] += 1
-        self.counters[f"releases_{mode}"] += 1
-        self.counters["blocks_moved"] += moved
-        self.counters["blocks_pending"] += pending
-        self.counters[f"block_released_{mode}"] += moved + pending
+        self.counters.add("releases", 1)
+        self.counters.add(f"releases_{selection.status}", 1)
+        self.counters.add(f"releases_{mode}", 1)
+        self.counters.add("blocks_moved", moved)
+        self.counters.add("blocks_pending", pending)
+        self.counters.add(f"block_released_{mode}", moved + pending)
         return EngineRelease(
             status=selection.status,
             block_released=moved + pending,
@@ -260,7 +265,7 @@ class PoolAffinity:
             bindings=self.sessions.bindings,
             sessions_evicted=self.sessions.evicted,
             num_blocks=self.pool.num_gpu_blocks,
-            **dict(self.counters),
+            **self.counters.as_dict(),
         ).model_dump()
 
     def check(self, idle: bool) -> list[str]:
@@ -387,7 +392,7 @@ def affinity_release_prompt(
     session: str,
     prompt_token_ids: list[int],
     cache_salt: str | None,
-    protocol: str = "post",
+    protocol: ReleaseMode = "post",
 ) -> dict[str, Any]:
     """EngineCore utility for ``POST /release_kv_cache`` (and openJiuwen's ``agent_hint``
     evict/offload, ``protocol="agent_hint"``): ``prompt_token_ids`` is the old window rendered up

@@ -10,14 +10,14 @@ from __future__ import annotations
 import threading
 from collections import Counter as PyCounter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jiuwen_kv_protocol.models import EngineStats
+from jiuwen_kv_protocol.models import EngineStats, ReleaseMode
 
-RELEASE_MODES = ("post", "in_request", "divergence", "agent_hint", "child_end")
+RELEASE_MODES = get_args(ReleaseMode)
 
 
 class _EngineCollector:

@@ -320,3 +320,21 @@ def test_capacity_covers_ids_not_given_at_construction() -> None:
     q.append_n(beyond)
     with pytest.raises(IndexError):
         q.release(beyond[0])
+
+
+def test_counters_refuse_undeclared_names() -> None:
+    from jiuwen_kv_protocol.models import COUNTER_NAMES, EngineStats, Segments
+    from vllm_affinity.core.counters import Counters
+
+    counters = Counters(COUNTER_NAMES)
+    counters.add("releases_child_end")
+    with pytest.raises(KeyError, match="undeclared"):
+        counters.add("releases_childend")  # a typo fails where it is counted
+    stats = EngineStats(
+        segments=Segments(free=0, released=0, idle=0, normal=0, protected=0), pending=0,
+        released_reused=0, protected_reused=0, children=0, sessions=0, bindings=0,
+        sessions_evicted=0, num_blocks=1, **counters.as_dict(),
+    )  # fmt: skip
+    assert stats.counter("releases_child_end") == 1
+    with pytest.raises(KeyError, match="undeclared"):
+        stats.counter("block_released_childend")  # and where it is read

@@ -27,6 +27,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+#: ``running``: an idle selection of a session whose request runs (nothing selected).
+SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
 
 
 @dataclass(slots=True)
@@ -47,7 +51,7 @@ class ReleaseSelection:
 
     block_ids: list[int] = field(default_factory=list)  # nobody else holds them: release
     kept_shared: int = 0  # still held by another session
-    status: str = "ok"  # "ok" | "unknown_session" | "record_mismatch" | "running"
+    status: SelectionStatus = "ok"
 
 
 class SessionBlocks:
