@@ -40,10 +40,10 @@ from agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, t
 from agent_trace import Call, TraceConfig, describe
 
 import jiuwen_hooks
+from vllm_affinity.nginx import Policy
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set
-from vllm_affinity.router import NginxRouter, Policy
-from vllm_affinity.testing import BLOCK_SIZE, VLLMServer, free_port
+from vllm_affinity.testing import BLOCK_SIZE, NginxRouter, VLLMServer, free_port
 from vllm_affinity.tiny_model import build as build_model
 
 

@@ -1,4 +1,4 @@
-"""The nginx configuration of ``vllm_affinity.router``, run by a real nginx in front of real
+"""The nginx configuration of ``vllm_affinity.nginx``, run by a real nginx in front of real
 HTTP servers (``LocalEngine``), with the hook installed: a session's calls and its in-request
 releases reach one replica; losing a replica moves only its sessions; round-robin does not pin."""
 
@@ -15,7 +15,8 @@ import pytest
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import LocalEngine
-from vllm_affinity.router import NginxRouter, find_nginx, nginx_config
+from vllm_affinity.nginx import find_nginx, nginx_config
+from vllm_affinity.testing import NginxRouter
 
 SESSIONS = [f"agent-{i}" for i in range(24)]
 

@@ -61,7 +61,7 @@ def serve(argv: list[str]) -> int:
 
 
 def nginx_config(argv: list[str]) -> int:
-    from .router import nginx_config as render
+    from .nginx import nginx_config as render
 
     parser = argparse.ArgumentParser(
         prog="python -m vllm_affinity nginx-config",

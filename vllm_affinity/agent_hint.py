@@ -35,7 +35,7 @@ from .core.tenants import scoped
 from .engine import PARENT_KEY
 
 if TYPE_CHECKING:
-    from .route import ReleaseService
+    from .release_service import ReleaseService
 
 FIELD = "agent_hint"
 tracer = trace.get_tracer("vllm_affinity")

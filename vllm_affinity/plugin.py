@@ -55,7 +55,7 @@ class AffinityEndpoint:
         from vllm import envs
 
         from .metrics import AffinityMetrics
-        from .route import ReleaseService
+        from .release_service import ReleaseService
 
         config = engine_client.vllm_config
         tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]

@@ -13,7 +13,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from jiuwen_kv_protocol.models import ReleaseRequest
 from vllm_affinity.core import HintError, ReleaseHint, engine_rank
 from vllm_affinity.engine import HINT_KEY
-from vllm_affinity.route import apply_cache_sharing, apply_release_hint
+from vllm_affinity.serving import apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
 
 
