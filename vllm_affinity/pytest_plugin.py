@@ -1,4 +1,5 @@
-"""pytest plugin (entry point ``pytest11``): real vLLM servers for end-to-end tests.
+"""pytest plugin, opt-in (``pytest -p vllm_affinity.pytest_plugin``): real vLLM servers for
+end-to-end tests.
 
 - ``vllm_affinity_server``: vLLM (CPU build, small local model) with the plugin, ``--api-key``
   set (``server.api_key``), 96 KV blocks of 32 tokens, and request-level chat templates allowed
