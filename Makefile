@@ -98,6 +98,7 @@ lint: $(DEV)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 format: $(DEV)
 	$(PY) -m ruff format .

@@ -77,23 +77,24 @@ def test_the_readme_summary_names_every_request_field() -> None:
         assert f'"{name}"' in block.group(1), f"{name} is not in the README's contract block"
 
 
-def test_every_server_setting_is_in_the_readme_table_and_no_other() -> None:
-    """The README's settings table names exactly the variables ``Settings.from_env`` reads."""
+def test_every_server_setting_is_in_the_settings_table_and_no_other() -> None:
+    """``docs/server.md``'s settings table names exactly the variables ``Settings.from_env``
+    reads."""
     root = Path(__file__).resolve().parents[1]
     source = (root / "vllm_affinity" / "settings.py").read_text()
     read = set(re.findall(r'"(VLLM_AFFINITY_\w+)"', source))
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "server.md").read_text()
     table = set(re.findall(r"^\| `(VLLM_AFFINITY_\w+)` \|", readme, flags=re.MULTILINE))
     assert table == read
 
 
-def test_every_hook_option_is_in_the_readme_table_and_no_other() -> None:
-    """The README's options table names exactly the fields of ``Options``."""
+def test_every_hook_option_is_in_the_options_table_and_no_other() -> None:
+    """``docs/client.md``'s options table names exactly the fields of ``Options``."""
     import dataclasses
 
     from jiuwen_hooks._options import Options
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "client.md").read_text()
     rows = re.findall(r"^\| (`\w+`(?:, `\w+`)*) \| (?:`JIUWEN_|—)", readme, flags=re.MULTILINE)
     table = {name.strip("` ") for row in rows for name in row.split(",")}
     assert table == {f.name for f in dataclasses.fields(Options)}

@@ -131,8 +131,8 @@ def test_no_upstream_is_a_clear_error() -> None:
         nginx_config([], 8000)
 
 
-def test_the_readme_shows_the_configuration_verbatim() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_deployment_page_shows_the_configuration_verbatim() -> None:
+    readme = (Path(__file__).parents[1] / "docs" / "deployment.md").read_text()
     printed = nginx_config(["10.0.0.1:8000", "10.0.0.2:8000"], 8000)
     assert f"```nginx\n{printed}```" in readme
 
