@@ -76,6 +76,20 @@ FILLER_WORDS = [
 ]
 
 
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate()`` until it returns something truthy, and return that; after
+    ``timeout`` seconds fail with ``what`` (what was awaited) instead of sleeping a fixed time
+    and hoping."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
 def filler_text(rng: random.Random, pairs: int) -> str:
     """``pairs`` "word number" pairs drawn from ``rng``."""
     return " ".join(f"{rng.choice(FILLER_WORDS)} {rng.randint(0, 999)}" for _ in range(pairs))

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import jiuwen_hooks
-from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -88,11 +88,11 @@ def test_engine_killed_mid_run(server: VLLMServer) -> None:
     with jiuwen_hooks.session("crash-main"):  # a session the restarted engine will not know
         client.chat.completions.create(model=SERVED_NAME, messages=main, max_tokens=1)
     try:
-        time.sleep(6)
+        wait_until(lambda: len(agent.completed) >= 5, 60, "the agent's first calls")
         before_kill = len(agent.completed)
         server.kill()
         killed_at = time.monotonic()
-        time.sleep(3)
+        wait_until(lambda: agent.errors, 30, "the agent to see the crash")
         # the same call, with and without the hook, fails the same way
         with_hook = call_dead_server(client)
         failed_stats = hook.stats()
@@ -106,7 +106,8 @@ def test_engine_killed_mid_run(server: VLLMServer) -> None:
         restarting_at = time.monotonic()
         server.start()  # same port
         restarted_at = time.monotonic()
-        time.sleep(6)
+        served = len(agent.completed)
+        wait_until(lambda: len(agent.completed) >= served + 6, 60, "the agent's calls to resume")
         with jiuwen_hooks.session("crash-main"):  # its release reaches an engine that never saw it
             client.chat.completions.create(model=SERVED_NAME, messages=main[:2], max_tokens=1)
         stats = jiuwen_hooks.stats()

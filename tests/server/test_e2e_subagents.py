@@ -7,7 +7,6 @@ releases its own blocks as dead. (The PROTECTED segment for waiting parents is o
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import anthropic
@@ -15,7 +14,13 @@ import openai
 import pytest
 
 import jiuwen_hooks
-from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text, filler_window
+from vllm_affinity.testing import (
+    SERVED_NAME,
+    VLLMServer,
+    filler_text,
+    filler_window,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("clean_hook")]
 
@@ -24,13 +29,12 @@ NEXT_USE = "X-KV-Next-Use"  # 0: back at once (a tool call); 60: the task or tur
 
 def wait_for(server: VLLMServer, what: str, done: Any) -> dict[str, Any]:
     """The engine's stats once ``done(stats)`` holds (idle signals arrive after the answer)."""
-    deadline = time.monotonic() + 20
-    while True:
+
+    def finished() -> dict[str, Any] | None:
         stats = server.engine_stats()
-        if done(stats):
-            return stats
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {stats}"
-        time.sleep(0.1)
+        return stats if done(stats) else None
+
+    return wait_until(finished, 20, what)  # type: ignore[no-any-return]
 
 
 def test_hook_subagent_protects_its_parent_and_its_end_releases_it(
