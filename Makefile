@@ -78,7 +78,10 @@ demo: $(MODEL)
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
 ## replicas behind nginx), then the llama-index integration in its own virtualenv
-test: $(MODEL) $(LI) $(OJ) $(OJ16) nginx lint
+test:
+	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
+	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LI) $(OJ) $(OJ16) nginx
+	$(MAKE) lint
 	$(PY) -m pytest --durations=25
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
 

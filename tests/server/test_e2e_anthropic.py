@@ -153,7 +153,8 @@ def test_agents_own_session_headers_bind_the_session(
     """No hook: a coding agent's own session header is enough for the plugin to bind its
     blocks, so a release naming that session (subagents apart) finds them."""
     server = vllm_affinity_server
-    messages = history(45)
+    # content of its own per case: a prefix another session already hit is kept by releases
+    messages = history(45 + sum(map(ord, session)))
     with client(server) as sdk:
         sdk.messages.create(
             model=SERVED_NAME, system=SYSTEM, messages=messages, max_tokens=2,
