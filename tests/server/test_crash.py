@@ -93,6 +93,14 @@ def test_engine_killed_mid_run(server: VLLMServer) -> None:
         server.kill()
         killed_at = time.monotonic()
         wait_until(lambda: agent.errors, 30, "the agent to see the crash")
+        wait_until(  # a compaction's release tried while the server is down
+            lambda: (
+                hook.stats().get("releases.connect_error", 0)
+                + hook.stats().get("releases.unreachable", 0)
+            ),
+            30,
+            "a release the hook could not send",
+        )
         # the same call, with and without the hook, fails the same way
         with_hook = call_dead_server(client)
         failed_stats = hook.stats()
