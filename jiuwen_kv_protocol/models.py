@@ -125,7 +125,7 @@ class EngineRelease(BaseModel):
     block_released: int = Field(ge=0)
     moved: int = Field(ge=0)
     pending: int = Field(ge=0)
-    #: Stale blocks kept because another session's latest request holds them.
+    #: Stale blocks kept because another session holds them, or has held their content.
     kept_shared: int = Field(ge=0)
     first_stale_block: int = Field(ge=0)
     #: Prompt length of the session's latest request (0 when the session is unknown).
@@ -160,7 +160,7 @@ class EngineIdle(BaseModel):
     status: IdleStatus | ReleaseStatus
     #: Blocks moved from NORMAL to IDLE (the session's own, not in use).
     blocks_idled: int = Field(ge=0)
-    #: The session's blocks left alone because another session's latest request holds them.
+    #: The session's blocks left alone because another session holds them, or has held them.
     kept_shared: int = Field(ge=0)
 
 
@@ -199,9 +199,7 @@ class Segments(BaseModel):
 
 class EngineStats(BaseModel):
     """One engine core's entry of ``GET /affinity/stats`` (and the source of ``/metrics``).
-    Besides these, the engine's counters appear under their own names: ``releases``,
-    ``releases_<mode>``, ``block_released_<mode>``, ``release_us_<mode>``, ``releases_<status>``,
-    ``blocks_moved``, ``blocks_pending``, ``restores``, ``blocks_restored``."""
+    Besides these, every engine counter of ``COUNTER_NAMES`` appears under its own name."""
 
     model_config = ConfigDict(extra="allow")
 

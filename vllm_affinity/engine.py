@@ -169,7 +169,8 @@ class PoolAffinity:
         if self.subagents.parent_of(session) is not None:
             self._apply_family(self.subagents.ended(session))
             self.counters.add("children_ended", 1)
-            if self._child_end == "release" and self.sessions.select_idle(session).status == "ok":
+            record = self.sessions.latest.get(session)
+            if self._child_end == "release" and record is not None and record.request_id is None:
                 result = self.release(session, 0, "child_end")
                 return EngineIdle(
                     status=result["status"], blocks_idled=0, kept_shared=result["kept_shared"]

@@ -357,3 +357,8 @@ def _messages_request(
         )
     except ValidationError as exc:
         raise ReleaseError(400, f"invalid messages or tools: {exc.errors()[0]['msg']}") from None
+
+
+def service_of(raw: Any) -> ReleaseService:
+    """The release service ``init_state`` put on the app, from a request."""
+    return raw.app.state.jiuwen_affinity  # type: ignore[no-any-return]

@@ -15,21 +15,17 @@ from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, RELEASE_PATH
 from jiuwen_kv_protocol.models import ReleaseError
 
 from ._version import plugin_version
-from .release_service import CAPABILITIES, ReleaseService, error_response
+from .release_service import CAPABILITIES, ReleaseService, error_response, service_of
 from .serving import wrap_serving
 from .settings import Settings
 
 router = APIRouter()
 
 
-def _service(raw: Request) -> ReleaseService:
-    return raw.app.state.jiuwen_affinity  # type: ignore[no-any-return]
-
-
 def authorised(raw: Request) -> ReleaseService:
     """The release service, for a caller holding one of the server's API keys (when it has
     any): vLLM's own middleware does not cover the plugin's routes."""
-    service = _service(raw)
+    service = service_of(raw)
     if service.api_tokens and not service.authorised(raw):
         service.metrics.count_request("unauthorized")
         raise HTTPException(status_code=401, detail="Unauthorized")

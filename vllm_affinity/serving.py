@@ -23,14 +23,10 @@ from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
 from .engine import HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .lifecycle import watched
-from .release_service import ReleaseService
+from .release_service import ReleaseService, service_of
 from .settings import Settings
 
 tracer = trace.get_tracer("vllm_affinity")
-
-
-def _service(raw: Any) -> ReleaseService:
-    return raw.app.state.jiuwen_affinity  # type: ignore[no-any-return]
 
 
 def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
@@ -184,11 +180,11 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         try:
             agent_hint = read_agent_hint(request)
         except AgentHintError as exc:
-            _service(raw_request).metrics.count_management("none", "invalid")
+            service_of(raw_request).metrics.count_management("none", "invalid")
             return _hint_error(instance, str(exc))
         if agent_hint is not None and agent_hint.manage_request:
             apply_cache_sharing(request, settings.allow_cache_sharing)
-            service = _service(raw_request)
+            service = service_of(raw_request)
             principal = service.principal_of(raw_request)
             return answer_management(service, request, agent_hint, raw_request, principal)
         return serve(wrapped, instance, args, kwargs)

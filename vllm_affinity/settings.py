@@ -101,17 +101,6 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
     return value
 
 
-def _share(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, str(default))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise ValueError(f"{name}={raw!r}: expected a share of the pool between 0 and 1")
-    return value
-
-
 def _header_list(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     raw = env.get(name)
     if raw is None:
@@ -132,15 +121,26 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return value in _TRUE
 
 
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+def _number(
+    env: Mapping[str, str], name: str, default: float, expected: str, high: float = math.inf
+) -> float:
+    """A finite number from 0 to ``high``; ``expected`` says what it is in the error."""
     raw = env.get(name, str(default))
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={raw!r}: expected seconds (a finite, non-negative number)")
+    if not math.isfinite(value) or not 0 <= value <= high:
+        raise ValueError(f"{name}={raw!r}: expected {expected}")
     return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    return _number(env, name, default, "seconds (a finite, non-negative number)")
+
+
+def _share(env: Mapping[str, str], name: str, default: float) -> float:
+    return _number(env, name, default, "a share of the pool between 0 and 1", high=1.0)
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
