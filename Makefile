@@ -93,9 +93,9 @@ test-long: $(MODEL) nginx
 test-bench: $(MODEL)
 	JIUWEN_BENCH_PIPELINES=1 $(PY) -m pytest tests/bench
 
-## test-client: the client half only (no vLLM needed; nginx for the router tests)
+## test-client: every pure test and the client half (no vLLM needed; nginx for the router tests)
 test-client: $(DEV) nginx lint
-	$(PY) -m pytest tests --ignore=tests/server
+	$(PY) -m pytest tests/unit tests/client tests/frameworks
 
 lint: $(DEV)
 	$(PY) -m ruff check .

@@ -1,7 +1,7 @@
 """The wire contract as pydantic models: what a release request says, what one engine core
 answers, and what a client may rely on in a 200 answer. No vLLM and no FastAPI import, so the
 hook's classification and the test server use these too; ``docs/contract.md`` is checked
-against them (``tests/test_docs_contract.py``)."""
+against them (``tests/unit/test_docs_contract.py``)."""
 
 from __future__ import annotations
 

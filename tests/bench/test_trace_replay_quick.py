@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -128,17 +127,6 @@ def test_one_url_alternates_with_and_without_the_hook(
     assert all(r["releases"]["not_applied"] <= 1 for r in hooked)
     rates = {r["hit_rate"] for r in result["runs"]}
     assert max(rates) - min(rates) <= 0.02, rates  # concurrent calls: a little order noise
-
-
-@pytest.fixture(scope="module")
-def empty_plugin_server() -> Iterator[VLLMServer]:
-    """A plugin server of its own, for the hooked side only: the simulator starts from an empty
-    pool, and on a server holding other runs' blocks the IDLE segment is reused before them
-    (to the plugin they are live LRU blocks)."""
-    with VLLMServer(
-        plugin=True, num_blocks=64, max_model_len=1900, api_key="jiuwen-test-key", cpu_cores="0"
-    ) as server:
-        yield server
 
 
 def test_lifecycle_signals_agree_with_the_simulator(

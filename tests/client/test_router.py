@@ -132,7 +132,7 @@ def test_no_upstream_is_a_clear_error() -> None:
 
 
 def test_the_deployment_page_shows_the_configuration_verbatim() -> None:
-    readme = (Path(__file__).parents[1] / "docs" / "deployment.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "deployment.md").read_text()
     printed = nginx_config(["10.0.0.1:8000", "10.0.0.2:8000"], 8000)
     assert f"```nginx\n{printed}```" in readme
 

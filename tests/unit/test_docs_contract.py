@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-CONTRACT = Path(__file__).resolve().parents[1] / "docs" / "contract.md"
+CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "contract.md"
 
 
 def documented() -> str:
@@ -80,7 +80,7 @@ def test_the_readme_summary_names_every_request_field() -> None:
 def test_every_server_setting_is_in_the_settings_table_and_no_other() -> None:
     """``docs/server.md``'s settings table names exactly the variables ``Settings.from_env``
     reads."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     source = (root / "vllm_affinity" / "settings.py").read_text()
     read = set(re.findall(r'"(VLLM_AFFINITY_\w+)"', source))
     readme = (root / "docs" / "server.md").read_text()
@@ -94,7 +94,7 @@ def test_every_hook_option_is_in_the_options_table_and_no_other() -> None:
 
     from jiuwen_hooks._options import Options
 
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "client.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
     rows = re.findall(r"^\| (`\w+`(?:, `\w+`)*) \| (?:`JIUWEN_|—)", readme, flags=re.MULTILINE)
     table = {name.strip("` ") for row in rows for name in row.split(",")}
     assert table == {f.name for f in dataclasses.fields(Options)}

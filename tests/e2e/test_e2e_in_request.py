@@ -45,7 +45,7 @@ def capture() -> Iterator[TelemetryCapture]:
 
 
 def client_of(server: VLLMServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
+    return openai.OpenAI(base_url=server.base_url, api_key=server.api_key or "none", max_retries=0)
 
 
 def engine(server: VLLMServer) -> dict[str, Any]:
@@ -274,33 +274,32 @@ def test_malformed_hint_gets_vllms_400_and_changes_nothing(
     assert server.metric("vllm_affinity_release_hints_total", outcome="invalid") >= 1
 
 
-def test_release_on_divergence_without_a_hint() -> None:
+def test_release_on_divergence_without_a_hint(keyless_diverging_server: VLLMServer) -> None:
     """``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE=true``: a client that cannot send the hint (plain
     requests with only ``X-Session-ID``) still has its rewritten history released."""
-    env = {"VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "true"}
-    with VLLMServer(plugin=True, num_blocks=96, api_key="k", env=env, cpu_cores="1") as server:
-        window = filler_window(150, 300)
-        headers = {"X-Session-ID": "diverging"}
-        with client_of(server) as client:
-            first = client.chat.completions.create(
-                model=SERVED_NAME,
-                messages=window,
-                max_tokens=8,
-                extra_headers=headers,
-                extra_body={"ignore_eos": True},
-            )
-            before = engine(server)
-            rewritten = [*window[:2], {"role": "user", "content": "[summary]"}]
-            client.chat.completions.create(
-                model=SERVED_NAME, messages=rewritten, max_tokens=2, extra_headers=headers
-            )
-            after = engine(server)
-            appended = [*rewritten, {"role": "assistant", "content": "ok"}]
-            client.chat.completions.create(
-                model=SERVED_NAME, messages=appended, max_tokens=2, extra_headers=headers
-            )
-            last = engine(server)
-        old, new = tokens(server, window), tokens(server, rewritten)
+    server = keyless_diverging_server
+    window = filler_window(150, 300)
+    headers = {"X-Session-ID": "diverging"}
+    with client_of(server) as client:
+        first = client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=window,
+            max_tokens=8,
+            extra_headers=headers,
+            extra_body={"ignore_eos": True},
+        )
+        before = engine(server)
+        rewritten = [*window[:2], {"role": "user", "content": "[summary]"}]
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=rewritten, max_tokens=2, extra_headers=headers
+        )
+        after = engine(server)
+        appended = [*rewritten, {"role": "assistant", "content": "ok"}]
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=appended, max_tokens=2, extra_headers=headers
+        )
+        last = engine(server)
+    old, new = tokens(server, window), tokens(server, rewritten)
     first_stale = common_prefix_length(old, new) // BLOCK_SIZE
     cached_blocks = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // BLOCK_SIZE
     assert grew(before, after, "releases_divergence") == 1

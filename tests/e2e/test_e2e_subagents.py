@@ -2,7 +2,7 @@
 ``session(id, parent=...)``, or Claude Code's own session and agent headers on
 ``/v1/messages``); the engine counts it as running until the call that ends its task, which
 releases its own blocks as dead. (The PROTECTED segment for waiting parents is off by default;
-``tests/server/test_adapter.py`` checks it on vLLM's own classes.)"""
+``tests/adapter/test_adapter.py`` checks it on vLLM's own classes.)"""
 
 from __future__ import annotations
 
