@@ -19,7 +19,7 @@ OJ        := $(OJ_VENV)/.installed
 OJ16_VENV := .venv-openjiuwen016
 OJ16      := $(OJ16_VENV)/.installed
 
-.PHONY: nginx demo test test-long test-bench test-client lint format bench bench-client bench-server bench-agents \
+.PHONY: nginx demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
 	bench-fleet model clean
 
 $(DEV): pyproject.toml
@@ -54,6 +54,20 @@ $(OJ16):
 	$(OJ16_VENV)/bin/python -m pip --quiet --disable-pip-version-check install 'openjiuwen==0.1.16'
 	@touch $@
 
+# The next vLLM (the GPU users' version) is tested on its Python sources: its wheel, without
+# dependencies or compiled kernels, laid over the CPU environment for the adapter tests.
+VLLM_NEXT     := 0.33.0
+VLLM_NEXT_DIR := .cache/vllm-$(VLLM_NEXT)
+
+$(VLLM_NEXT_DIR)/.extracted: $(DEV)
+	@echo "Fetching vLLM $(VLLM_NEXT)'s wheel (no dependencies) for its Python sources ..."
+	$(PIP) download --no-deps --dest .cache/wheels 'vllm==$(VLLM_NEXT)'
+	rm -rf $(VLLM_NEXT_DIR)
+	$(PY) -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+		z.extractall(sys.argv[2], [n for n in z.namelist() if not n.endswith(".so")])' \
+		.cache/wheels/vllm-$(VLLM_NEXT)-*.whl $(VLLM_NEXT_DIR)
+	@touch $@
+
 # nginx (Debian's package) routes sessions to replicas in the scale-out test and benchmark.
 nginx:
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
@@ -73,17 +87,23 @@ model: $(MODEL)
 
 ## demo: real vLLM (CPU) with the plugin, an agent with compaction, the releases and their effect
 demo: $(MODEL)
-	PYTHONPATH=benchmarks $(PY) examples/demo.py
+	$(PY) -m examples.demo
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
 ## replicas behind nginx), then the llama-index integration in its own virtualenv
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
-	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LI) $(OJ) $(OJ16) nginx
+	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LI) $(OJ) $(OJ16) $(VLLM_NEXT_DIR)/.extracted nginx
 	$(MAKE) lint
 	$(PY) -m pytest --durations=25
+	$(MAKE) test-vllm-next
 	JIUWEN_LLAMA_INDEX_VENV=1 $(LI_PY) -m pytest -q tests/frameworks/llama_index
+
+## test-vllm-next: the adapter tests (real vLLM classes, the compat check, the route and
+## lifecycle units) on vLLM 0.33's own Python sources
+test-vllm-next: $(VLLM_NEXT_DIR)/.extracted
+	PYTHONPATH=$(VLLM_NEXT_DIR) JIUWEN_EXPECT_VLLM=$(VLLM_NEXT) $(PY) -m pytest -q -p no:cacheprovider tests/adapter
 
 ## test-long: the minutes-long runs make test skips (the 150 s soak, two replicas behind nginx)
 test-long: $(MODEL) nginx
@@ -111,27 +131,27 @@ format: $(DEV)
 bench: bench-client bench-server bench-agents bench-fleet
 
 bench-client: $(DEV)
-	$(PY) benchmarks/hook_overhead.py
-	$(PY) benchmarks/session_memory.py
+	$(PY) -m benchmarks.hook_overhead
+	$(PY) -m benchmarks.session_memory
 
 bench-server: $(MODEL)
-	$(PY) benchmarks/queue_ops.py
-	$(PY) benchmarks/server_session_memory.py
-	$(PY) benchmarks/server_throughput.py
-	$(PY) benchmarks/release_latency.py
+	$(PY) -m benchmarks.queue_ops
+	$(PY) -m benchmarks.server_session_memory
+	$(PY) -m benchmarks.server_throughput
+	$(PY) -m benchmarks.release_latency
 
 ## bench-agents: the multi-session agent benchmark, vanilla vs plugin (about 15 minutes), and
 ## the session lifecycle in the simulator and on real servers (about 12 minutes)
 bench-agents: $(MODEL)
-	$(PY) benchmarks/agent_bench.py
-	$(PY) benchmarks/lifecycle_sim.py
-	$(PY) benchmarks/lifecycle_replay.py
-	$(PY) benchmarks/lifecycle_replay.py --trace ordered
-	$(PY) benchmarks/lifecycle_ttft.py
+	$(PY) -m benchmarks.agent_bench
+	$(PY) -m benchmarks.lifecycle_sim
+	$(PY) -m benchmarks.lifecycle_replay
+	$(PY) -m benchmarks.lifecycle_replay --trace ordered
+	$(PY) -m benchmarks.lifecycle_ttft
 
 ## bench-fleet: two replicas behind nginx, by session vs round-robin, with and without release
 bench-fleet: $(MODEL) nginx
-	$(PY) benchmarks/fleet_bench.py
+	$(PY) -m benchmarks.fleet_bench
 
 clean:
 	rm -rf $(VENV) $(LI_VENV) $(OJ_VENV) $(OJ16_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

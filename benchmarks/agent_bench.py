@@ -16,9 +16,9 @@ chunk), prompt tokens actually computed, end-to-end time. The offline simulator
 (``vllm_affinity/replay/simulator.py``) replays the same tokens under infinite cache, LRU,
 LRU + release and Belady, and its LRU is compared with the real vanilla hit rate.
 
-    python benchmarks/agent_bench.py                       # full sweep (~15 min on 2 cores)
-    python benchmarks/agent_bench.py --quick               # the pipeline check CI runs
-    python benchmarks/agent_bench.py --model heavy         # a model whose prefill costs more
+    python -m benchmarks.agent_bench                       # full sweep (~15 min on 2 cores)
+    python -m benchmarks.agent_bench --quick               # the pipeline check CI runs
+    python -m benchmarks.agent_bench --model heavy         # a model whose prefill costs more
 
 Output: ``<out>/agent_benchmark.json``, ``.md`` and ``.png`` (default ``benchmarks/results``).
 """
@@ -39,9 +39,9 @@ from typing import Any
 
 import httpx
 import openai
-from agent_trace import Call, TraceConfig, describe, generate
 
 import jiuwen_hooks
+from benchmarks.agent_trace import Call, TraceConfig, describe, generate
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import Request, gap_closed, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer

@@ -16,8 +16,8 @@ p50/p90, prompt tokens computed, and per replica what the router's access log an
 ``/affinity/stats`` say (sessions served, releases sent and acted on). The simulator replays each
 replica's share of the trace (as the router's log routed it) under LRU or LRU + release.
 
-    python benchmarks/fleet_bench.py                 # the full run (~10 min on 2 cores)
-    python benchmarks/fleet_bench.py --quick         # the pipeline check CI runs
+    python -m benchmarks.fleet_bench                 # the full run (~10 min on 2 cores)
+    python -m benchmarks.fleet_bench --quick         # the pipeline check CI runs
 
 Output: ``<out>/fleet_benchmark.json``, ``.md`` and ``.png`` (default ``benchmarks/results``).
 """
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import openai
-from agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, trace_of
-from agent_trace import Call, TraceConfig, describe
 
 import jiuwen_hooks
+from benchmarks.agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, trace_of
+from benchmarks.agent_trace import Call, TraceConfig, describe
 from vllm_affinity.nginx import Policy
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set

@@ -7,7 +7,7 @@ clients, in alternating rounds (so machine noise hits both alike); the figure is
 median per-call times. The pure diff cost (``Hook.before_call``) is timed separately to show
 that it grows linearly with the window.
 
-    python benchmarks/hook_overhead.py [--rounds 7] [--out benchmarks/results/hook_overhead.json]
+    python -m benchmarks.hook_overhead [--rounds 7] [--out benchmarks/results/hook_overhead.json]
 """
 
 from __future__ import annotations

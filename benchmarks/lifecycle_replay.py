@@ -24,11 +24,11 @@ scenarios' TTFT would not compare: see the README).
 session's calls in order); the simulator then gets the order in which the calls were actually
 sent, and the blocks in use by overlapping calls make the two differ.
 
-    python benchmarks/lifecycle_replay.py                  # ~6 minutes
-    python benchmarks/lifecycle_replay.py --speed 20
+    python -m benchmarks.lifecycle_replay                  # ~6 minutes
+    python -m benchmarks.lifecycle_replay --speed 20
 
-    python benchmarks/lifecycle_replay.py --trace ordered  # the agent benchmark's trace
-    python benchmarks/lifecycle_replay.py --quick          # CI's (~3 minutes)
+    python -m benchmarks.lifecycle_replay --trace ordered  # the agent benchmark's trace
+    python -m benchmarks.lifecycle_replay --quick          # CI's (~3 minutes)
 
 Output: ``<out>/lifecycle_replay[_quick][_ordered][_speed<N>].json`` and ``.md`` (default
 ``benchmarks/results``).
@@ -47,7 +47,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import openai
-from agent_bench import (
+
+import jiuwen_hooks
+from benchmarks.agent_bench import (
     API_KEY,
     MAX_TOKENS,
     Side,
@@ -56,9 +58,7 @@ from agent_bench import (
     stream_call,
     tokenize,
 )
-from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
-
-import jiuwen_hooks
+from benchmarks.agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
 from vllm_affinity.replay.output import named, write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer

@@ -7,7 +7,7 @@ Every window is tokenised with vLLM's own renderer (``/tokenize`` of a real serv
 sizes (fractions of the trace's working set). ``lifecycle`` is what the plugin runs (its IDLE
 segment); ``benchmarks/lifecycle_replay.py`` checks the simulator against real servers.
 
-    python benchmarks/lifecycle_sim.py            # ~1 minute (one server start to tokenise)
+    python -m benchmarks.lifecycle_sim            # ~1 minute (one server start to tokenise)
 
 Output: ``<out>/lifecycle_sim.json`` and ``.md`` (default ``benchmarks/results``).
 """
@@ -20,9 +20,8 @@ import math
 import sys
 from typing import Any
 
-from agent_bench import API_KEY, MAX_TOKENS, say, tokenize
-from agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
-
+from benchmarks.agent_bench import API_KEY, MAX_TOKENS, say, tokenize
+from benchmarks.agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import (
     ORACLES,

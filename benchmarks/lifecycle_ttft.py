@@ -6,7 +6,7 @@ drift of a shared machine, which moves both calls of a pair; a second round swap
 Each side has its own sessions (the trace's, suffixed with the side's name), so the one hook
 keeps a separate history for each; servers, pools and calls are otherwise identical.
 
-    python benchmarks/lifecycle_ttft.py [--pool 0.25] [--rounds 2]      # ~5 minutes
+    python -m benchmarks.lifecycle_ttft [--pool 0.25] [--rounds 2]      # ~5 minutes
 
 Output: ``<out>/lifecycle_ttft.json`` and ``.md`` (default ``benchmarks/results``).
 """
@@ -20,11 +20,10 @@ import statistics
 import sys
 from typing import Any
 
-from agent_bench import API_KEY, MAX_TOKENS, percentile, prefix_counters, say, tokenize
-from agent_trace import Timing, TraceConfig, generate_timed
-from lifecycle_replay import SCENARIOS, Replayer
-
 import jiuwen_hooks
+from benchmarks.agent_bench import API_KEY, MAX_TOKENS, percentile, prefix_counters, say, tokenize
+from benchmarks.agent_trace import Timing, TraceConfig, generate_timed
+from benchmarks.lifecycle_replay import SCENARIOS, Replayer
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import Request, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer

@@ -13,7 +13,7 @@ operations vLLM's queue does not have, are timed separately, and so are pops thr
 segments when RELEASED and IDLE hold blocks (which vLLM's queue cannot be in: against its pops of
 the same number of cached blocks).
 
-    python benchmarks/queue_ops.py [--blocks 8192] [--ops 200000] [--rounds 7]
+    python -m benchmarks.queue_ops [--blocks 8192] [--ops 200000] [--rounds 7]
 """
 
 from __future__ import annotations

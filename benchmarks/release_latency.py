@@ -13,7 +13,7 @@ One server with the plugin (32k context). For each size:
   the engine core before the request is scheduled) is read from ``/affinity/stats``. There is no
   extra HTTP request and no render.
 
-    python benchmarks/release_latency.py [--repeats 7]
+    python -m benchmarks.release_latency [--repeats 7]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ worker and of the API server, and how many of each are the plugin's own work: a 
 innermost ``vllm_affinity`` frame (the launcher's excluded) is not just waiting on the vLLM
 method it wraps. Samples under the plugin's wrappers, vLLM's work included, are reported too.
 
-    python benchmarks/server_profile.py [--variants mixed,decode] [--rate 200]
+    python -m benchmarks.server_profile [--variants mixed,decode] [--rate 200]
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server_throughput import VARIANTS, one_round
-
+from benchmarks.server_throughput import VARIANTS, one_round
 from vllm_affinity.replay.output import write_json
 from vllm_affinity.testing import VLLMServer
 

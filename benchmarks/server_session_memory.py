@@ -1,7 +1,7 @@
 """Memory of the plugin's session table (pure core), under the churn that made the old owner sets
 grow without bound: many sessions sharing one long prefix (a system prompt, tools).
 
-    python benchmarks/server_session_memory.py [--sessions 200000] [--shared-blocks 64]
+    python -m benchmarks.server_session_memory [--sessions 200000] [--shared-blocks 64]
 
 Reports the bytes the table retains (its dicts, and per tracked session its key, record and
 arrays), per tracked session and per binding, with the default ``VLLM_AFFINITY_MAX_SESSIONS``.

@@ -11,7 +11,7 @@ consecutive rounds, of each pair's geometric-mean plugin/vanilla ratio, with its
 Variants: ``mixed`` (chat turns), ``decode`` (short prompts, long answers) and ``prefill``
 (long prompts, short answers).
 
-    python benchmarks/server_throughput.py [--variants mixed,decode,prefill] [--rounds 8] [--aa]
+    python -m benchmarks.server_throughput [--variants mixed,decode,prefill] [--rounds 8] [--aa]
 
 ``--aa`` runs the same harness with *two vanilla servers* (the "plugin" side is a second vanilla
 server): the ratios it reports are this machine's floor for the measurement.

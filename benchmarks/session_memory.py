@@ -4,7 +4,7 @@ Measured with ``tracemalloc`` in one process: the agents' own windows are built 
 hook's session table snapshots them (what the hook costs); for comparison, a deep copy of the
 same windows through JSON (what a serialised snapshot, which copies every string, would cost).
 
-    python benchmarks/session_memory.py [--sessions 1000] [--messages 100]
+    python -m benchmarks.session_memory [--sessions 1000] [--messages 100]
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ replay`` runs), the simulator beside it:
 ``--api messages`` replays through the ``anthropic`` SDK on ``/v1/messages``, as coding agents
 call; the default ``chat`` through the ``openai`` SDK.
 
-    python benchmarks/trace_replay.py --traces agentinfer,mooncake=/path/conversation_trace.jsonl
-    python benchmarks/trace_replay.py --traces agentinfer --api messages \
+    python -m benchmarks.trace_replay --traces agentinfer,mooncake=/path/conversation_trace.jsonl
+    python -m benchmarks.trace_replay --traces agentinfer --api messages \
         --scenarios vanilla,lifecycle,child-idle,protect,no-parents --name coding_agents
-    python benchmarks/trace_replay.py --quick        # CI: the synthetic trace in all 4 formats
+    python -m benchmarks.trace_replay --quick        # CI: the synthetic trace in all 4 formats
 
 Output: ``<out>/trace_replay[_quick].json`` and ``.md`` (default ``benchmarks/results``).
 """
@@ -40,8 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from agent_trace import TraceConfig, generate_timed
-
+from benchmarks.agent_trace import TraceConfig, generate_timed
 from vllm_affinity.replay.compare import say, simulated, summarize, tokenize
 from vllm_affinity.replay.formats import (
     FORMATS,

@@ -4,9 +4,9 @@ The original design's scenario: three rounds of weather look-ups (Paris, Oslo, L
 final model call a compressor clears the two older tool results, so a release fires from the first
 cleared message. Then a few sessions run side by side, each compacting once.
 
-    python examples/compaction_agent.py --vllm             # starts vLLM (CPU) with the plugin
-    python examples/compaction_agent.py --base-url URL     # against a server already running
-    python examples/compaction_agent.py                    # against a local recording server
+    python -m examples.compaction_agent --vllm             # starts vLLM (CPU) with the plugin
+    python -m examples.compaction_agent --base-url URL     # against a server already running
+    python -m examples.compaction_agent                    # against a local recording server
 
 The agent's tool calls are scripted, so it runs on any model (including a random-weight one);
 what matters here is the window the agent sends and the releases the hook sends first.

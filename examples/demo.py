@@ -1,6 +1,6 @@
 """The main demo: real vLLM (CPU) with and without the plugin, side by side.
 
-    make demo            (or: python examples/demo.py)
+    make demo            (or, from the repository root: python -m examples.demo)
 
 1. The original design's scenario on the plugin server: a 3-round weather agent whose
    micro-compaction clears the two older tool results, so a release fires at the first cleared
@@ -27,22 +27,18 @@ from typing import Any
 
 import httpx
 import openai
-from compaction_agent import run_weather_agent
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import jiuwen_hooks
-from jiuwen_hooks.testing import OtlpCollector
+from benchmarks.agent_bench import replay
+from benchmarks.agent_trace import TraceConfig, describe, generate
+from examples.compaction_agent import run_weather_agent
+from examples.otel_collector import OtlpCollector
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_window
 from vllm_affinity.tiny_model import build
-
-try:  # the benchmark scripts, on PYTHONPATH (make demo puts benchmarks/ there)
-    from agent_bench import replay
-    from agent_trace import TraceConfig, describe, generate
-except ImportError:
-    sys.exit("run `make demo`, or `PYTHONPATH=benchmarks python examples/demo.py`")
 
 API_KEY = "demo-key"
 BLOCKS = 96

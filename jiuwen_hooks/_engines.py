@@ -3,7 +3,7 @@
     unknown      nothing learned yet: a due release goes as ``POST /release_kv_cache``
     in_request   the vllm_affinity plugin: releases ride on the chat request (``X-KV-Release``)
     post         answers the POST but advertises no in-request path (a third-party
-                 implementation of the seed contract): POSTs forever
+                 implementation of the openJiuwen 0.1.16 POST contract): POSTs forever
     unsupported  answered the POST with 404/405: nothing is sent until the state expires
 
 Each engine is probed (``GET /affinity/capabilities``) at first contact and again every ``ttl``

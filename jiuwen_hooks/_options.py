@@ -34,8 +34,8 @@ class Options:
     #: Send the session as the ``X-Session-ID`` header of tracked chat requests (no body field).
     inject_session: bool = True
     #: Also put ``cache_salt`` (and ``cache_sharing``) in tracked chat bodies, for servers of the
-    #: seed contract that bind sessions by salt. Off: strict servers answer 400 to unknown fields,
-    #: and a salt splits vanilla vLLM's prefix cache per session.
+    #: openJiuwen 0.1.16 POST contract that bind sessions by salt. Off: strict servers answer
+    #: 400 to unknown fields, and a salt splits vanilla vLLM's prefix cache per session.
     session_body: bool = False
     #: Sent as ``cache_sharing`` beside the injected ``cache_salt`` (``session_body``); ``None``
     #: sends none. Releases always say how the chat requests were hashed.

@@ -45,7 +45,7 @@ class Outcome:
 
 
 def log_triggered(session_id: str, messages_index: int, tools_index: int | None) -> None:
-    """The seed design's INFO lines (README, "Log lines"), one set per release decided."""
+    """The documented INFO lines (docs/client.md, "Log lines"), one set per release decided."""
     logger.info(
         "KV cache release triggered for session %s (msg_idx=%d, tool_idx=%s)",
         session_id,

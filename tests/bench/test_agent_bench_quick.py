@@ -6,8 +6,9 @@ import json
 import os
 from pathlib import Path
 
-import agent_bench
 import pytest
+
+from benchmarks import agent_bench
 
 pytestmark = [
     pytest.mark.e2e,

@@ -1,5 +1,5 @@
-"""The seed's observable log lines (its §6.3), through Python logging (logger ``jiuwen_hooks``):
-operators grep for them."""
+"""The documented log lines (docs/client.md, "Log lines"), through Python logging (logger
+``jiuwen_hooks``): operators grep for them."""
 
 from __future__ import annotations
 

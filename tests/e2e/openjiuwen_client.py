@@ -8,7 +8,7 @@ messages), plus ``start`` for ``evict-range``. Steps:
 
 - openJiuwen >= 0.1.19, ``agent_hint`` protocol (``kv_cache.mode = "affinity"``): ``invoke``,
   ``evict-range`` (messages ``[start, len)``), ``evict-session``;
-- openJiuwen <= 0.1.16, the seed's ``/release_kv_cache`` contract (``InferenceAffinity``):
+- openJiuwen <= 0.1.16, the ``/release_kv_cache`` POST contract (``InferenceAffinity``):
   ``old-invoke`` (``cache_salt`` = session), ``old-release`` (from message ``start``).
 
 Prints one JSON object: what the client returned.

@@ -1,4 +1,4 @@
-"""The seed's system test "engine killed mid-run" (§7.4.2), automated: an agent runs through the
+"""The system test "engine killed mid-run", automated: an agent runs through the
 hook while the plugin server is SIGKILLed and restarted on the same port. The agent sees exactly
 the errors it would see without the hook, none of ours; after the restart its calls and releases
 resume (its sessions are unknown to the new engine: they release 0 blocks); the hook counts the

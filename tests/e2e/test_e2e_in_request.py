@@ -1,6 +1,7 @@
 """End to end on real vLLM servers: the hook is neutral where the plugin is absent, releases ride
 on the chat request where it is present (no extra HTTP), exactly (block-hash chains, whatever the
-template does), before that request allocates; and the seed contract's POST still works."""
+template does), before that request allocates; and the openJiuwen 0.1.16 POST contract still
+works."""
 
 from __future__ import annotations
 
@@ -274,10 +275,10 @@ def test_malformed_hint_gets_vllms_400_and_changes_nothing(
     assert server.metric("vllm_affinity_release_hints_total", outcome="invalid") >= 1
 
 
-def test_release_on_divergence_without_a_hint(keyless_diverging_server: VLLMServer) -> None:
+def test_release_on_divergence_without_a_hint(second_plugin_server: VLLMServer) -> None:
     """``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE=true``: a client that cannot send the hint (plain
     requests with only ``X-Session-ID``) still has its rewritten history released."""
-    server = keyless_diverging_server
+    server = second_plugin_server
     window = filler_window(150, 300)
     headers = {"X-Session-ID": "diverging"}
     with client_of(server) as client:

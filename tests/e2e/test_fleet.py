@@ -10,8 +10,8 @@ from pathlib import Path
 import fleet_bench
 import httpx
 import pytest
-from agent_trace import Call, TraceConfig, generate
 
+from benchmarks.agent_trace import Call, TraceConfig, generate
 from vllm_affinity.testing import SERVED_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]

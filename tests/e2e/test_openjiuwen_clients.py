@@ -41,8 +41,8 @@ def venv_python(generation: str) -> Path:
 
 
 @pytest.fixture
-def server(keyless_diverging_server: VLLMServer) -> VLLMServer:
-    return keyless_diverging_server
+def server(second_plugin_server: VLLMServer) -> VLLMServer:
+    return second_plugin_server
 
 
 def run(generation: str, step: str, server: VLLMServer, tmp_path: Path, **request: Any) -> dict:

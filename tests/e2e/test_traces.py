@@ -11,46 +11,47 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import jiuwen_hooks
-from jiuwen_hooks.testing import OtlpCollector
+from examples.otel_collector import CollectedSpan, OtlpCollector
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
 pytestmark = pytest.mark.e2e
 
 
-def test_client_and_server_release_spans_share_a_trace() -> None:
+def test_client_and_server_release_spans_share_a_trace(
+    second_plugin_server: VLLMServer, otlp_collector: OtlpCollector
+) -> None:
     """Every path: a POSTed release (``in_request=False``), an in-request one, whose trace
     context rides on the chat request with the hint, and an openJiuwen ``agent_hint``
-    management request carrying the caller's ``traceparent``."""
-    with OtlpCollector() as collector:
-        server = VLLMServer(
-            plugin=True,
-            num_blocks=64,
-            api_key="k",
-            extra_args=("--otlp-traces-endpoint", collector.grpc_endpoint),
-            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
-        )
-        provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
-        exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        with server:
-            for in_request in (False, True):
-                jiuwen_hooks.uninstall()
-                hook = jiuwen_hooks.install(tracer_provider=provider, in_request=in_request)
-                try:
-                    rewrite_once(server, hook, f"traced-{in_request}")
-                finally:
-                    jiuwen_hooks.uninstall()
-            evict_as_openjiuwen(server, provider)
-            provider.shutdown()
+    management request carrying the caller's ``traceparent``. (The collector also holds the
+    spans of other tests on this server: only this test's traces count.)"""
+    server, collector = second_plugin_server, otlp_collector
+    provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
+    exporter = OTLPSpanExporter(endpoint=collector.http_endpoint + "/v1/traces")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    for in_request in (False, True):
+        jiuwen_hooks.uninstall()
+        hook = jiuwen_hooks.install(tracer_provider=provider, in_request=in_request)
+        try:
+            rewrite_once(server, hook, f"traced-{in_request}")
+        finally:
+            jiuwen_hooks.uninstall()
+    evict_as_openjiuwen(server, provider)
+    provider.shutdown()
 
-            def every(spans: list) -> bool:
-                kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
-                return kinds.count("SPAN_KIND_CLIENT") == kinds.count("SPAN_KIND_SERVER") == 3
+    def ours(spans: list[CollectedSpan]) -> tuple[list[CollectedSpan], dict[str, CollectedSpan]]:
+        releases = [s for s in spans if s.name == "kv_cache.release"]
+        clients = [s for s in releases if s.kind == "SPAN_KIND_CLIENT"]
+        traces = {s.trace_id for s in clients}
+        servers = {
+            s.trace_id: s for s in releases if s.kind == "SPAN_KIND_SERVER" and s.trace_id in traces
+        }
+        return clients, servers
 
-            spans = collector.wait_for(every, timeout=40)
-    releases = [s for s in spans if s.name == "kv_cache.release"]
-    clients = [s for s in releases if s.kind == "SPAN_KIND_CLIENT"]
-    servers = {s.trace_id: s for s in releases if s.kind == "SPAN_KIND_SERVER"}
+    def every(spans: list[CollectedSpan]) -> bool:
+        clients, servers = ours(spans)
+        return len(clients) == len(servers) == 3
+
+    clients, servers = ours(collector.wait_for(every, timeout=40))
     assert len(clients) == len(servers) == 3
     for client_span in clients:
         assert client_span.service == "agent"
@@ -58,7 +59,7 @@ def test_client_and_server_release_spans_share_a_trace() -> None:
 
 
 def rewrite_once(server: VLLMServer, hook: jiuwen_hooks.Hook, session: str) -> None:
-    with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0) as client:
         window = [
             {"role": "system", "content": "You are a weather bot. " * 20},
             {"role": "user", "content": "Paris? " * 40},
@@ -78,7 +79,7 @@ def evict_as_openjiuwen(server: VLLMServer, provider: TracerProvider) -> None:
     with tracer.start_as_current_span("kv_cache.release", kind=trace.SpanKind.CLIENT):
         headers: dict[str, str] = {}
         propagate.inject(headers)
-        with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+        with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0) as client:
             client.chat.completions.create(
                 model=SERVED_NAME,
                 messages=[],

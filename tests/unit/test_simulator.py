@@ -6,10 +6,10 @@ import statistics
 from typing import Any
 
 import pytest
-from agent_trace import PLACEHOLDER, TraceConfig, describe, generate, generate_timed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.agent_trace import PLACEHOLDER, TraceConfig, describe, generate, generate_timed
 from vllm_affinity.replay.simulator import POLICIES, Request, gap_closed, simulate, working_set
 
 B = 4  # small blocks keep the scenarios readable

@@ -1,0 +1,1 @@
+"""Runnable examples, from the repository root: ``python -m examples.demo``."""
