@@ -14,12 +14,9 @@ waits for one on the wire.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextvars
 import functools
 import importlib.util
 import inspect
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +25,7 @@ from typing import Any, TypeVar, cast
 from jiuwen_kv_protocol.hint import ReleaseHint
 
 from . import _state
+from ._background import BackgroundRunner
 from ._compressor import compressor_wrapper, parse_dotted
 from ._context import (
     ModelCall,
@@ -111,10 +109,7 @@ class Hook:
         )
         self.client = ReleaseClient(options, self.telemetry, self.directory)
         self.warnings = RateLimitedWarnings(options.warning_interval)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._closed = False
-        self._pending: set[concurrent.futures.Future[Any]] = set()
-        self._lock = threading.Lock()
+        self.background = BackgroundRunner()
         self._patches = Patches()
         #: True while this hook is installed; wrappers an accessor cached pass through otherwise.
         self.active = False
@@ -284,9 +279,7 @@ class Hook:
 
     def flush(self, timeout: float | None = 10.0) -> None:
         """Wait for the releases and probes running on the background thread."""
-        with self._lock:
-            futures = list(self._pending)
-        concurrent.futures.wait(futures, timeout=timeout)
+        self.background.flush(timeout)
 
     async def aflush(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.flush)
@@ -301,28 +294,10 @@ class Hook:
         return await self.client.asend(plan)
 
     def _submit(self, fn: Any, *args: Any) -> None:
-        """Run ``fn`` on the background thread, in the caller's context (trace, session). After
-        ``close()`` nothing is started: a release is counted as dropped, never silently lost."""
-        ctx = contextvars.copy_context()
-        with self._lock:
-            if self._closed:
-                future = None
-            else:
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=2, thread_name_prefix="jiuwen-release"
-                    )
-                future = self._executor.submit(ctx.run, fn, *args)
-                self._pending.add(future)
-        if future is None:
+        """Run ``fn`` on the background thread. After ``close()`` nothing is started: a release
+        is counted as dropped, never silently lost."""
+        if not self.background.submit(fn, *args):
             self._drop(args)
-            return
-
-        def done(_: Any) -> None:
-            with self._lock:
-                self._pending.discard(future)
-
-        future.add_done_callback(done)
 
     def _drop(self, args: tuple[Any, ...]) -> None:
         plan = next((a for a in args if isinstance(a, ReleasePlan)), None)
@@ -393,12 +368,7 @@ class Hook:
 
     def close(self) -> None:
         """Let running background work finish (bounded), then close the HTTP clients."""
-        self.flush()
-        with self._lock:
-            self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self.background.close()
         self.client.close()
 
 

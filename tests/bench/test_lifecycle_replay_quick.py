@@ -7,8 +7,9 @@ import json
 import os
 from pathlib import Path
 
-import lifecycle_replay
 import pytest
+
+from benchmarks import lifecycle_replay
 
 pytestmark = [
     pytest.mark.e2e,

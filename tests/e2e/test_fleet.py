@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import fleet_bench
 import httpx
 import pytest
 
+from benchmarks import fleet_bench
 from benchmarks.agent_trace import Call, TraceConfig, generate
 from vllm_affinity.testing import SERVED_NAME
 

@@ -1,0 +1,25 @@
+"""Every committed benchmark result says what produced it: ``meta`` holds the command, the git
+commit, the library versions and the CPU (``vllm_affinity.replay.output.run_metadata``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+REQUIRED = {"command", "date", "git_sha", "python", "vllm", "openai", "cpu_model", "cpu_count"}
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_result_carries_its_run_metadata(path: Path) -> None:
+    meta = json.loads(path.read_text()).get("meta")
+    assert isinstance(meta, dict), f"{path.name} has no meta: re-run its benchmark"
+    missing = REQUIRED - meta.keys()
+    assert not missing, f"{path.name}: meta lacks {sorted(missing)}"
+    assert meta["git_sha"] and meta["command"].split()[0].endswith(".py")
+
+
+def test_there_are_results() -> None:
+    assert len(list(RESULTS.glob("*.json"))) >= 10
