@@ -11,7 +11,9 @@
 - ``EngineCore.affinity_release_prompt`` / ``affinity_session_idle`` / ``affinity_stats`` /
   ``affinity_check``: called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
-  no locking against the scheduler is needed.
+  no locking against the scheduler is needed. ``PoolAffinity`` answers with the protocol's models
+  (``EngineRelease``, ``EngineIdle``, ``EngineRestore``, ``EngineStats``); the utilities turn
+  them into plain dicts only there, at the process boundary.
 
 Both release paths end in one rule: the session's latest request's blocks from the first one whose
 hash differs from a prompt's block-hash chain (the new request's own, or the rendered cut of the
@@ -108,13 +110,13 @@ class PoolAffinity:
         self._bound.pop(request_id, None)
         self.sessions.request_finished(session, request_id)
 
-    def release(self, session: str, first_block: int, mode: ReleaseMode = "post") -> dict[str, Any]:
+    def release(self, session: str, first_block: int, mode: ReleaseMode = "post") -> EngineRelease:
         """Release the session's latest blocks from block index ``first_block`` on."""
         return self._apply(self.sessions.select_release(session, first_block), first_block, mode)
 
     def release_divergent(
         self, session: str, chain: list[Any], mode: ReleaseMode, require_common_prefix: bool = False
-    ) -> dict[str, Any]:
+    ) -> EngineRelease:
         """Release the session's latest blocks from the first one ``chain`` (a prompt's block
         hashes) cannot hit. ``require_common_prefix``: a chain that shares not even its first
         block with the session's cache is a different prompt (template, salt), not a cut of it:
@@ -131,12 +133,12 @@ class PoolAffinity:
                 result = self._apply(ReleaseSelection(status="record_mismatch"), 0, mode)
             else:
                 result = self.release(session, first, mode)
-            result["prompt_tokens"] = record.num_prompt_tokens
+            result.prompt_tokens = record.num_prompt_tokens
         # time spent in the engine core on this path (what a hinted request adds to its step)
         self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
         return result
 
-    def restore_divergent(self, session: str, chain: list[Any]) -> dict[str, Any]:
+    def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
         """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot
         hit, demoted by an earlier release and not reused since, go back to the most-recently-
         used end of NORMAL. Blocks already reused are gone: this server has no second tier to
@@ -154,11 +156,9 @@ class PoolAffinity:
             status = "ok"
         self.counters.add("restores", 1)
         self.counters.add("blocks_restored", restored)
-        return EngineRestore(
-            status=status, blocks_restored=restored, first_stale_block=first
-        ).model_dump()
+        return EngineRestore(status=status, blocks_restored=restored, first_stale_block=first)
 
-    def idle_session(self, session: str) -> dict[str, Any]:
+    def idle_session(self, session: str) -> EngineIdle:
         """The session waits on its user: its own blocks go to IDLE, tail first, reused after
         released blocks and before any live session's. Shared blocks and blocks in use stay.
 
@@ -173,8 +173,8 @@ class PoolAffinity:
             if self._child_end == "release" and record is not None and record.request_id is None:
                 result = self.release(session, 0, "child_end")
                 return EngineIdle(
-                    status=result["status"], blocks_idled=0, kept_shared=result["kept_shared"]
-                ).model_dump()
+                    status=result.status, blocks_idled=0, kept_shared=result.kept_shared
+                )
         selection = self.sessions.select_idle(session)
         blocks = self.pool.blocks
         moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
@@ -182,7 +182,7 @@ class PoolAffinity:
         self.counters.add("blocks_idled", moved)
         return EngineIdle(
             status=selection.status, blocks_idled=moved, kept_shared=selection.kept_shared
-        ).model_dump()
+        )
 
     def _apply_family(self, change: FamilyChange) -> None:
         for parent in change.unprotect:
@@ -219,7 +219,7 @@ class PoolAffinity:
 
     def _apply(
         self, selection: ReleaseSelection, first_block: int, mode: ReleaseMode
-    ) -> dict[str, Any]:
+    ) -> EngineRelease:
         results = Counter(self.queue.release(self.pool.blocks[b]) for b in selection.block_ids)
         moved, pending = results[ReleaseResult.MOVED], results[ReleaseResult.PENDING]
         self.counters.add("releases", 1)
@@ -235,7 +235,7 @@ class PoolAffinity:
             pending=pending,
             kept_shared=selection.kept_shared,
             first_stale_block=first_block,
-        ).model_dump()
+        )
 
     def on_new_request(self, request: Any, release_on_divergence: bool) -> None:
         """A request entered the scheduler: act on its in-request hint (or, when the server
@@ -255,7 +255,7 @@ class PoolAffinity:
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return EngineStats(
             segments=Segments(**self.queue.segment_sizes()),
             pending=self.queue.num_pending,
@@ -267,7 +267,7 @@ class PoolAffinity:
             sessions_evicted=self.sessions.evicted,
             num_blocks=self.pool.num_gpu_blocks,
             **self.counters.as_dict(),
-        ).model_dump()
+        )
 
     def check(self, idle: bool) -> list[str]:
         """Invariant violations of the pool, the queue and the session table (empty when all
@@ -400,8 +400,10 @@ def affinity_release_prompt(
     to the released message. Its block hashes, computed by the engine's own hasher with the salt
     the chat requests used, are compared with the session's cached blocks."""
     chain = _block_hashes(self, prompt_token_ids, cache_salt)
-    return _engine_state(self).release_divergent(
-        session, chain, protocol, require_common_prefix=True
+    return (
+        _engine_state(self)
+        .release_divergent(session, chain, protocol, require_common_prefix=True)
+        .model_dump()
     )
 
 
@@ -410,7 +412,7 @@ def affinity_restore_prompt(
 ) -> dict[str, Any]:
     """EngineCore utility for openJiuwen's ``prefetch`` (see ``PoolAffinity.restore_divergent``)."""
     chain = _block_hashes(self, prompt_token_ids, cache_salt)
-    return _engine_state(self).restore_divergent(session, chain)
+    return _engine_state(self).restore_divergent(session, chain).model_dump()
 
 
 def _block_hashes(engine_core: Any, prompt_token_ids: list[int], cache_salt: str | None) -> Any:
@@ -435,7 +437,7 @@ def _block_hashes(engine_core: Any, prompt_token_ids: list[int], cache_salt: str
 def affinity_session_idle(self: Any, session: str) -> dict[str, Any]:
     """EngineCore utility: the session's last call ended waiting on its user (see
     ``core/lifecycle.py``); sent by the API server after the answer, off the request's path."""
-    return _engine_state(self).idle_session(session)
+    return _engine_state(self).idle_session(session).model_dump()
 
 
 def affinity_check(self: Any) -> dict[str, Any]:
@@ -443,12 +445,12 @@ def affinity_check(self: Any) -> dict[str, Any]:
     state = _engine_state(self)
     scheduler = self.scheduler
     idle = not scheduler.has_requests()
-    return {"idle": idle, "problems": state.check(idle), **state.stats()}
+    return {"idle": idle, "problems": state.check(idle), **state.stats().model_dump()}
 
 
 def affinity_stats(self: Any) -> dict[str, Any]:
     """EngineCore utility: segment sizes and counters."""
-    return _engine_state(self).stats()
+    return _engine_state(self).stats().model_dump()
 
 
 def apply_engine_patches() -> None:

@@ -60,7 +60,7 @@ def test_release_moves_stale_blocks_including_generated_ones() -> None:
     manager.free(request)
     state = state_of(manager)
     result = state.release("A", 2)
-    assert result == {
+    assert result.model_dump() == {
         "status": "ok",
         "block_released": 3,
         "moved": 3,
@@ -131,7 +131,7 @@ def test_release_of_blocks_in_use_is_pending_until_freed() -> None:
     run_prefill(manager, a)
     state = state_of(manager)
     result = state.release("A", 1)
-    assert result["pending"] == 3 and result["moved"] == 0
+    assert result.pending == 3 and result.moved == 0
     assert state.queue.num_pending == 3
     manager.free(a)
     assert state.queue.num_pending == 0
@@ -151,12 +151,12 @@ def test_shared_prefix_is_never_released_by_one_session() -> None:
     manager.free(b)
     state = state_of(manager)
     first = state.release("A", 0)
-    assert first["block_released"] == 2 and first["kept_shared"] == 2
+    assert first.block_released == 2 and first.kept_shared == 2
     second = state.release("B", 0)
-    assert second["block_released"] == 2 and second["kept_shared"] == 2
+    assert second.block_released == 2 and second.kept_shared == 2
     assert state.queue.segment_sizes()["released"] == 4  # A's own two, B's own two
-    assert state.release("A", 0)["block_released"] == 0
-    assert state.release("B", 0)["block_released"] == 0
+    assert state.release("A", 0).block_released == 0
+    assert state.release("B", 0).block_released == 0
     assert_no_leak(manager)
 
 
@@ -176,10 +176,14 @@ def squeeze(idle: bool) -> tuple[int, int]:
     state = state_of(manager)
     state.release("D", 1)
     if idle:
-        assert state.idle_session("A") == {"status": "ok", "blocks_idled": 3, "kept_shared": 1}
+        assert state.idle_session("A").model_dump() == {
+            "status": "ok",
+            "blocks_idled": 3,
+            "kept_shared": 1,
+        }
         sizes = {"free": 4, "released": 1, "idle": 3, "normal": 5, "protected": 0}
         assert state.queue.segment_sizes() == sizes
-        assert state.idle_session("A")["blocks_idled"] == 0  # already idle
+        assert state.idle_session("A").blocks_idled == 0  # already idle
     run_prefill(manager, make_request(tokens(900, 8), session="C"))  # 4 + 1 + 3 blocks
     assert state.queue.released_reused == 1
     b_hits = manager.get_computed_blocks(make_request(system + tokens(200, 3), session="B"))[1]
@@ -208,11 +212,15 @@ def test_idle_does_nothing_to_a_running_or_unknown_session() -> None:
     a = make_request(tokens(0, 3), session="A")
     run_prefill(manager, a)
     state = state_of(manager)
-    assert state.idle_session("A") == {"status": "running", "blocks_idled": 0, "kept_shared": 0}
-    assert state.idle_session("nobody")["status"] == "unknown_session"
+    assert state.idle_session("A").model_dump() == {
+        "status": "running",
+        "blocks_idled": 0,
+        "kept_shared": 0,
+    }
+    assert state.idle_session("nobody").status == "unknown_session"
     manager.free(a)
     assert state.queue.segment_sizes()["idle"] == 0
-    assert state.stats()["idles"] == 2 and state.stats()["idles_running"] == 1
+    assert state.stats().idles == 2 and state.stats().idles_running == 1
     assert_no_leak(manager)
 
 
@@ -246,14 +254,14 @@ def test_a_parent_waiting_on_its_subagent_keeps_its_prefix_within_the_cap() -> N
     assert lead_hits == 3 * BLOCK  # its first 3 blocks protected (the cap), the 4th reused
     assert other_hits == 2 * BLOCK  # the other's last two went instead
     assert state.queue.segment_sizes()["protected"] == 3
-    assert state.stats()["children"] == 1 and state.stats()["blocks_protected"] == 3
+    assert state.stats().children == 1 and state.stats().blocks_protected == 3
     manager.free(child)
     ended = state.idle_session("sub")  # the subagent's task ended: its blocks are dead
-    assert ended["status"] == "ok" and ended["blocks_idled"] == 0
-    assert state.stats()["block_released_child_end"] == 7
+    assert ended.status == "ok" and ended.blocks_idled == 0
+    assert state.stats().block_released_child_end == 7
     sizes = state.queue.segment_sizes()
     assert sizes["protected"] == 0 and sizes["released"] == 7  # the lead is let go of
-    assert state.stats()["children"] == 0
+    assert state.stats().children == 0
     assert state.check(idle=True) == []
     assert_no_leak(manager)
 
@@ -263,7 +271,7 @@ def test_without_a_parent_lru_takes_the_older_lead() -> None:
     manager, child, lead_hits, other_hits = lead_and_subagent(parent=None)
     assert lead_hits == BLOCK and other_hits == 3 * BLOCK  # a prompt hits all but its last token
     manager.free(child)
-    assert state_of(manager).idle_session("sub")["blocks_idled"] == 7  # no parent: idled
+    assert state_of(manager).idle_session("sub").blocks_idled == 7  # no parent: idled
     assert_no_leak(manager)
 
 
@@ -273,8 +281,8 @@ def test_the_parent_calling_again_ends_its_protection() -> None:
     manager.free(child)  # the subagent never says it ended (its client left)
     state.on_new_request(make_request(tokens(0, 5), session="lead"), release_on_divergence=False)
     assert state.queue.segment_sizes()["protected"] == 0
-    assert state.stats()["children"] == 0
-    assert state.idle_session("sub")["blocks_idled"] == 7  # no longer a known child
+    assert state.stats().children == 0
+    assert state.idle_session("sub").blocks_idled == 7  # no longer a known child
     assert_no_leak(manager)
 
 
@@ -284,7 +292,7 @@ def test_reused_block_loses_its_owner() -> None:
     run_prefill(manager, a)
     manager.free(a)
     run_prefill(manager, make_request(tokens(900, 5), session="C"))  # evicts all of A's blocks
-    assert state_of(manager).release("A", 0)["block_released"] == 0
+    assert state_of(manager).release("A", 0).block_released == 0
     assert_no_leak(manager)
 
 
@@ -294,11 +302,11 @@ def test_unknown_session_and_record_mismatch() -> None:
     run_prefill(manager, a)
     manager.free(a)
     state = state_of(manager)
-    assert state.release("nobody", 0)["status"] == "unknown_session"
+    assert state.release("nobody", 0).status == "unknown_session"
     # a POSTed cut that shares not even the first block is another prompt, not a cut of A's
     other = make_request(tokens(500, 2)).block_hashes
     result = state.release_divergent("A", other, "post", require_common_prefix=True)
-    assert result["status"] == "record_mismatch" and result["block_released"] == 0
+    assert result.status == "record_mismatch" and result.block_released == 0
     assert state.queue.segment_sizes()["released"] == 0
 
 
@@ -307,7 +315,7 @@ def test_cache_salt_is_the_session_when_no_session_id() -> None:
     a = make_request(tokens(0, 2), cache_salt="salty")
     run_prefill(manager, a)
     manager.free(a)
-    assert state_of(manager).release("salty", 0)["block_released"] == 2
+    assert state_of(manager).release("salty", 0).block_released == 2
 
 
 # -- the segmented queue against vLLM's own queue: no release → identical behaviour ------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-from typing import Any
 
 import openai
 import pytest
@@ -49,12 +48,8 @@ def test_threads_across_sessions_no_lost_or_duplicated_release(
     assert stats.get("internal_errors", 0) == 0
 
 
-@pytest.fixture
-def jiuwen_hook_options() -> dict[str, Any]:
-    return {"max_sessions": 100}
-
-
 @pytest.mark.slow
+@pytest.mark.parametrize("jiuwen_hook_options", [{"max_sessions": 100}], ids=["max_sessions=100"])
 def test_session_table_stays_bounded(
     jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
 ) -> None:
