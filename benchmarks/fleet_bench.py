@@ -40,6 +40,7 @@ import openai
 import jiuwen_hooks
 from benchmarks.agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, trace_of
 from benchmarks.agent_trace import Call, TraceConfig, describe
+from jiuwen_kv_protocol.headers import SESSION_HEADER
 from vllm_affinity.nginx import Policy
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set
@@ -229,7 +230,7 @@ def replay(
             for index, call in enumerate(calls):
                 before_call(index, call)
                 with jiuwen_hooks.session(call.session) if release else contextlib.nullcontext():
-                    headers = None if release else {"X-Session-ID": call.session}
+                    headers = None if release else {SESSION_HEADER: call.session}
                     stream_call(client, call, side, headers)
                 progress(index)
         hook_stats = hook.stats() if hook is not None else {}

@@ -59,6 +59,7 @@ from benchmarks.agent_bench import (
     tokenize,
 )
 from benchmarks.agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
+from jiuwen_kv_protocol.headers import NEXT_USE_HEADER
 from vllm_affinity.replay.output import named, write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
@@ -85,7 +86,7 @@ SCENARIOS = (
 def next_use(call: Call, timing: Timing) -> dict[str, str]:
     """What an agent would tell the server about the session's next call."""
     seconds = timing.tool_median if call.finish == "tool_calls" else timing.think_median
-    return {"X-KV-Next-Use": f"{seconds:g}"}
+    return {NEXT_USE_HEADER: f"{seconds:g}"}
 
 
 class Replayer:

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import openai
 
+from jiuwen_kv_protocol.headers import RELEASE_HEADER, RELEASE_PATH, SESSION_HEADER
 from vllm_affinity.replay.output import write_json
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
@@ -60,7 +61,7 @@ def in_request_release(
 ) -> dict[str, Any]:
     """The same rewrite as the POST, carried on the next chat request instead."""
     session = f"latency-in-request-{label}"
-    headers = {"X-Session-ID": session}
+    headers = {SESSION_HEADER: session}
     client.chat.completions.create(
         model=SERVED_NAME, messages=window, max_tokens=1, extra_headers=headers
     )
@@ -71,7 +72,7 @@ def in_request_release(
         model=SERVED_NAME,
         messages=rewritten,
         max_tokens=1,
-        extra_headers={**headers, "X-KV-Release": f"messages_released_index={middle}"},
+        extra_headers={**headers, RELEASE_HEADER: f"messages_released_index={middle}"},
     )
     after = engine_counters(server)
 
@@ -104,7 +105,7 @@ def main() -> int:
                 messages=window,
                 max_tokens=1,
                 extra_body={"cache_salt": session},
-                extra_headers={"X-Session-ID": session},
+                extra_headers={SESSION_HEADER: session},
             )
             prefill = time.perf_counter() - start
             body = {
@@ -117,7 +118,7 @@ def main() -> int:
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 response = httpx.post(
-                    server.root_url + "/release_kv_cache", json=body, headers=server.headers(),
+                    server.root_url + RELEASE_PATH, json=body, headers=server.headers(),
                     timeout=120,
                 )  # fmt: skip
                 latencies.append(time.perf_counter() - t0)

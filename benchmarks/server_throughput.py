@@ -31,6 +31,7 @@ from typing import Any
 
 import openai
 
+from jiuwen_kv_protocol.headers import SESSION_HEADER
 from vllm_affinity.replay.output import write_json
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
@@ -69,7 +70,7 @@ def run_session(server: VLLMServer, session: str, v: Variant) -> tuple[int, list
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
-                extra_headers={"X-Session-ID": session},
+                extra_headers={SESSION_HEADER: session},
             )
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:

@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import jiuwen_hooks
 from jiuwen_hooks.testing import LocalEngine
+from jiuwen_kv_protocol.headers import SESSION_ATTRIBUTE
 
 PLACEHOLDER = "[Old tool result content cleared]"
 WEATHER_TOOL = {
@@ -160,7 +161,7 @@ def report(exporter: InMemorySpanExporter, engine: Any, server: Any, say: Any) -
         a = span.attributes or {}
         say(
             f"  {span.name} ({a.get('jiuwen.release.mode')}) "
-            f"session={a.get('gen_ai.conversation.id')} "
+            f"session={a.get(SESSION_ATTRIBUTE)} "
             f"reason={a.get('jiuwen.release.reason')} "
             f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
             f"block_released={a.get('jiuwen.release.block_released')} "

@@ -37,6 +37,7 @@ from benchmarks.agent_bench import replay
 from benchmarks.agent_trace import TraceConfig, describe, generate
 from examples.compaction_agent import run_weather_agent
 from examples.otel_collector import OtlpCollector
+from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_window
 from vllm_affinity.tiny_model import build
 
@@ -77,11 +78,11 @@ def part_weather(plugin: VLLMServer, spans: InMemorySpanExporter, hook: Any) -> 
     hook.flush()  # the compressor's release is sent off the agent's path
     for span in spans.get_finished_spans():
         a = span.attributes or {}
-        if span.name == "kv_cache.release":
+        if span.name == RELEASE_SPAN:
             blocks = a.get("jiuwen.release.block_released")
             say(
                 f"  release ({a.get('jiuwen.release.mode')}): "
-                f"session={a.get('gen_ai.conversation.id')} "
+                f"session={a.get(SESSION_ATTRIBUTE)} "
                 f"messages_released_index={a.get('jiuwen.release.messages_released_index')} "
                 f"reason={a.get('jiuwen.release.reason')}"
                 + (f" block_released={blocks}" if blocks is not None else " (on the chat request)")
@@ -187,11 +188,11 @@ def part_traces(collector: OtlpCollector) -> None:
     say("\n4) Traces")
 
     def all_arrived(spans: list[Any]) -> bool:
-        kinds = [s.kind for s in spans if s.name == "kv_cache.release"]
+        kinds = [s.kind for s in spans if s.name == RELEASE_SPAN]
         return kinds.count("SPAN_KIND_SERVER") >= kinds.count("SPAN_KIND_CLIENT") > 0
 
     spans = collector.wait_for(all_arrived, timeout=30)  # the server batches for ~5 s
-    releases = [s for s in spans if s.name == "kv_cache.release"]
+    releases = [s for s in spans if s.name == RELEASE_SPAN]
     clients = {s.trace_id for s in releases if s.kind == "SPAN_KIND_CLIENT"}
     servers = {s.trace_id for s in releases if s.kind == "SPAN_KIND_SERVER"}
     say(f"  the collector received {len(spans)} spans: {len(clients)} client "

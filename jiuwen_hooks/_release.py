@@ -26,7 +26,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import Status, StatusCode
 
-from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, SESSION_HEADER
+from jiuwen_kv_protocol.headers import (
+    CAPABILITIES_PATH,
+    MODEL_ATTRIBUTE,
+    SESSION_ATTRIBUTE,
+    SESSION_HEADER,
+)
 from jiuwen_kv_protocol.models import ReleaseReceipt
 
 from ._engines import EngineDirectory, EngineState, state_from_capabilities
@@ -279,8 +284,8 @@ def release_attributes(plan: ReleasePlan) -> dict[str, Any]:
     release, target = plan.release, plan.target
     parts = urlsplit(target.url)
     attrs: dict[str, Any] = {
-        "gen_ai.conversation.id": plan.session_id,
-        "gen_ai.request.model": target.model,
+        SESSION_ATTRIBUTE: plan.session_id,
+        MODEL_ATTRIBUTE: target.model,
         "jiuwen.release.reason": release.reason,
         "jiuwen.release.messages_released_index": release.messages_released_index,
         "jiuwen.release.messages_count": len(plan.old.messages),

@@ -17,9 +17,11 @@ from typing import Any
 
 from opentelemetry import metrics, propagate, trace
 
+from jiuwen_kv_protocol.headers import RELEASE_SPAN
+
 logger = logging.getLogger("jiuwen_hooks")
 
-SPAN_NAME = "kv_cache.release"
+SPAN_NAME = RELEASE_SPAN  # re-exported for the tests
 INSTRUMENTATION_NAME = "jiuwen_hooks"
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, RELEASE_HEADER, RELEASE_PATH
 from jiuwen_kv_protocol.models import ReleaseReceipt
 
 
@@ -173,7 +174,7 @@ class LocalEngine:
     @property
     def hints(self) -> list[str | None]:
         """The ``X-KV-Release`` header of every chat request (``None`` where absent)."""
-        return [c.headers.get("x-kv-release") for c in self.chats]
+        return [c.headers.get(RELEASE_HEADER.lower()) for c in self.chats]
 
     @property
     def releases(self) -> list[RecordedRequest]:
@@ -283,7 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, json.dumps({"object": "list", "data": []}).encode())
-        elif self.path == "/affinity/capabilities" and self.records.in_request:
+        elif self.path == CAPABILITIES_PATH and self.records.in_request:
             self._send(200, json.dumps(CAPABILITIES).encode())
         else:
             self._error(404, "Not Found")
@@ -292,7 +293,7 @@ class _Handler(BaseHTTPRequestHandler):
         request = self._read()
         with self.records.lock:
             self.records.paths.append(self.path)
-        if self.path == "/release_kv_cache":
+        if self.path == RELEASE_PATH:
             self._release(request)
         elif self.path == "/v1/responses":
             with self.records.lock:

@@ -1,5 +1,5 @@
 """The names on the wire between an agent (``jiuwen_hooks``) and the server plugin
-(``vllm_affinity``): headers and paths. Spelled here once; both sides import them."""
+(``vllm_affinity``): headers, paths and span names. Spelled here once; both sides import them."""
 
 from __future__ import annotations
 
@@ -16,3 +16,16 @@ PARENT_HEADER = "X-Parent-Session-ID"
 RELEASE_PATH = "/release_kv_cache"
 #: What the plugin advertises; vanilla servers answer 404.
 CAPABILITIES_PATH = "/affinity/capabilities"
+
+#: Session headers that coding agents send on their own (read by the plugin, never sent by the
+#: hook): Claude Code's session and, for its subagents, agent id; two generic spellings.
+CLAUDE_CODE_SESSION_HEADER = "X-Claude-Code-Session-Id"
+CLAUDE_CODE_AGENT_HEADER = "X-Claude-Code-Agent-Id"
+GENERIC_SESSION_HEADERS = ("session-id", "X-Session-Affinity")
+
+#: The span both sides record for a release (the client's CLIENT span is the parent of the
+#: server's SERVER span: the trace context rides on the release request or the chat request).
+RELEASE_SPAN = "kv_cache.release"
+#: Span attributes, after OpenTelemetry's GenAI semantic conventions.
+SESSION_ATTRIBUTE = "gen_ai.conversation.id"
+MODEL_ATTRIBUTE = "gen_ai.request.model"

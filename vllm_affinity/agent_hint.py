@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
+from jiuwen_kv_protocol.headers import MODEL_ATTRIBUTE, RELEASE_SPAN, SESSION_ATTRIBUTE
 from jiuwen_kv_protocol.models import EngineRestore, ReleaseError, ReleaseRequest
 
 from .core.agent_hint import AgentHint, AgentHintError
@@ -64,13 +65,13 @@ async def answer_management(
     attributes = {
         "jiuwen.release.protocol": "agent_hint",
         "jiuwen.release.action": hint.action or "",
-        "gen_ai.conversation.id": hint.session_id,
-        "gen_ai.request.model": request.model,
+        SESSION_ATTRIBUTE: hint.session_id,
+        MODEL_ATTRIBUTE: request.model,
     }
     if hint.parent_session_id:
         attributes["jiuwen.session.parent_id"] = hint.parent_session_id
     with tracer.start_as_current_span(
-        "kv_cache.release",
+        RELEASE_SPAN,
         context=propagate.extract(headers),
         kind=trace.SpanKind.SERVER,
         attributes=attributes,

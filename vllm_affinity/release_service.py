@@ -20,7 +20,12 @@ from fastapi.responses import JSONResponse
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
-from jiuwen_kv_protocol.headers import SESSION_HEADER
+from jiuwen_kv_protocol.headers import (
+    MODEL_ATTRIBUTE,
+    RELEASE_SPAN,
+    SESSION_ATTRIBUTE,
+    SESSION_HEADER,
+)
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseRequest
 
@@ -80,13 +85,13 @@ class ReleaseService:
         """A ``POST /release_kv_cache`` from an authorised caller (``route.py``)."""
         ctx = propagate.extract(dict(raw.headers))
         with tracer.start_as_current_span(
-            "kv_cache.release", context=ctx, kind=trace.SpanKind.SERVER
+            RELEASE_SPAN, context=ctx, kind=trace.SpanKind.SERVER
         ) as span:
             try:
                 request = await self._parse(raw)
                 span.set_attribute("jiuwen.release.protocol", "release_kv_cache")
-                span.set_attribute("gen_ai.conversation.id", request.cache_salt)
-                span.set_attribute("gen_ai.request.model", request.model)
+                span.set_attribute(SESSION_ATTRIBUTE, request.cache_salt)
+                span.set_attribute(MODEL_ATTRIBUTE, request.model)
                 result = await self._release(request, self.principal_of(raw))
             except ReleaseError as exc:
                 self.metrics.count_request(f"http_{exc.status}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from opentelemetry import propagate, trace
 
-from jiuwen_kv_protocol.headers import SESSION_HEADER
+from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_HEADER
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
@@ -220,8 +220,8 @@ def _hint_span(raw_request: Any, hint: ReleaseHint) -> None:
         attributes["jiuwen.release.tools_released_index"] = hint.tools_released_index
     session = headers.get(SESSION_HEADER) if headers is not None else None
     if session:
-        attributes["gen_ai.conversation.id"] = session
+        attributes[SESSION_ATTRIBUTE] = session
     span = tracer.start_span(
-        "kv_cache.release", context=ctx, kind=trace.SpanKind.SERVER, attributes=attributes
+        RELEASE_SPAN, context=ctx, kind=trace.SpanKind.SERVER, attributes=attributes
     )
     span.end()

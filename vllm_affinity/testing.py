@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from jiuwen_kv_protocol.headers import RELEASE_PATH
+
 from .nginx import (
     TEMP_DIRS,
     Policy,
@@ -362,7 +364,7 @@ class VLLMServer(LoopbackServer):
         self, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> httpx.Response:
         return httpx.post(
-            self.root_url + "/release_kv_cache",
+            self.root_url + RELEASE_PATH,
             json=body,
             headers=headers if headers is not None else self.headers(),
             timeout=60,

@@ -25,10 +25,8 @@ COMPACTED = [FIRST[0], {"role": "user", "content": "summary: a.py read"}]
 
 @pytest.fixture
 def engine() -> Iterator[LocalEngine]:
-    jiuwen_hooks.uninstall()
     with LocalEngine() as local:
         yield local
-    jiuwen_hooks.uninstall()
 
 
 def sdk(engine: LocalEngine, **kwargs: Any) -> anthropic.Anthropic:
@@ -50,10 +48,12 @@ def call(client: anthropic.Anthropic, how: str, messages: list[dict[str, Any]]) 
 
 
 @pytest.mark.parametrize("how", ["create", "stream", "raw", "beta"])
-def test_every_call_path_releases_the_anthropic_window(engine: LocalEngine, how: str) -> None:
+def test_every_call_path_releases_the_anthropic_window(
+    engine: LocalEngine, jiuwen_hook_factory: Any, how: str
+) -> None:
     client = sdk(engine)  # made before install(): the SDK's funnel is patched, not the client
     call(client, how, FIRST)
-    jiuwen_hooks.install()
+    jiuwen_hook_factory()
     with jiuwen_hooks.session(f"anthropic-{how}"):
         call(client, how, FIRST)
         call(client, how, COMPACTED)
@@ -66,8 +66,8 @@ def test_every_call_path_releases_the_anthropic_window(engine: LocalEngine, how:
     assert all("cache_salt" not in c.body for c in engine.chats)  # no field a strict server refuses
 
 
-async def test_async_client(engine: LocalEngine) -> None:
-    jiuwen_hooks.install()
+async def test_async_client(engine: LocalEngine, jiuwen_hook_factory: Any) -> None:
+    jiuwen_hook_factory()
     async with anthropic.AsyncAnthropic(
         base_url=engine.root_url, api_key="sk-test", max_retries=0
     ) as client:
@@ -79,10 +79,12 @@ async def test_async_client(engine: LocalEngine) -> None:
     assert [r.body["messages_released_index"] for r in engine.releases] == [2]
 
 
-async def test_async_stream_manager_is_passed_through(engine: LocalEngine) -> None:
+async def test_async_stream_manager_is_passed_through(
+    engine: LocalEngine, jiuwen_hook_factory: Any
+) -> None:
     """``AsyncMessages.stream`` returns its manager synchronously: the hook must not turn it
     into a coroutine (``async with`` would fail in the agent)."""
-    jiuwen_hooks.install()
+    jiuwen_hook_factory()
     async with anthropic.AsyncAnthropic(
         base_url=engine.root_url, api_key="sk-test", max_retries=0
     ) as client:
@@ -95,8 +97,8 @@ async def test_async_stream_manager_is_passed_through(engine: LocalEngine) -> No
     assert [r.body["messages_released_index"] for r in engine.releases] == [2]
 
 
-def test_metadata_user_id_by_resolver_only(engine: LocalEngine) -> None:
-    jiuwen_hooks.install(session_resolver=lambda kw: (kw.get("metadata") or {}).get("user_id"))
+def test_metadata_user_id_by_resolver_only(engine: LocalEngine, jiuwen_hook_factory: Any) -> None:
+    jiuwen_hook_factory(session_resolver=lambda kw: (kw.get("metadata") or {}).get("user_id"))
     client = sdk(engine)
     for messages in (FIRST, COMPACTED):
         client.messages.create(
@@ -106,7 +108,7 @@ def test_metadata_user_id_by_resolver_only(engine: LocalEngine) -> None:
     assert [c.headers.get("x-session-id") for c in engine.chats] == ["user-7", "user-7"]
     assert len(engine.releases) == 1
     jiuwen_hooks.uninstall()
-    jiuwen_hooks.install()  # no resolver: metadata names no session
+    jiuwen_hook_factory()  # no resolver: metadata names no session
     engine.clear()
     client.messages.create(
         model="m", system=SYSTEM, messages=FIRST, max_tokens=8, metadata={"user_id": "user-7"}
@@ -114,8 +116,8 @@ def test_metadata_user_id_by_resolver_only(engine: LocalEngine) -> None:
     assert engine.chats[0].headers.get("x-session-id") is None
 
 
-def test_metadata_user_id_by_option(engine: LocalEngine) -> None:
-    jiuwen_hooks.install(session_from_user_id=True)
+def test_metadata_user_id_by_option(engine: LocalEngine, jiuwen_hook_factory: Any) -> None:
+    jiuwen_hook_factory(session_from_user_id=True)
     client = sdk(engine)
     for messages in (FIRST, COMPACTED):
         client.messages.create(
@@ -127,8 +129,8 @@ def test_metadata_user_id_by_option(engine: LocalEngine) -> None:
     jiuwen_hooks.uninstall()
 
 
-def test_uninstall_stops_tracking(engine: LocalEngine) -> None:
-    jiuwen_hooks.install()
+def test_uninstall_stops_tracking(engine: LocalEngine, jiuwen_hook_factory: Any) -> None:
+    jiuwen_hook_factory()
     client = sdk(engine, default_headers={"X-Session-ID": "anthropic-gone"})
     call(client, "create", FIRST)
     jiuwen_hooks.uninstall()

@@ -60,14 +60,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_connection_refused(call: Caller, jiuwen_engine: LocalEngine) -> None:
-    jiuwen_hooks.uninstall()
-    jiuwen_hooks.install(release_url=f"http://127.0.0.1:{free_port()}/release_kv_cache")
-    try:
-        reply = rewrite_once(call)
-        stats = jiuwen_hooks.stats()
-    finally:
-        jiuwen_hooks.uninstall()
+def test_connection_refused(
+    call: Caller, jiuwen_engine: LocalEngine, jiuwen_hook_factory: Any
+) -> None:
+    jiuwen_hook_factory(release_url=f"http://127.0.0.1:{free_port()}/release_kv_cache")
+    reply = rewrite_once(call)
+    stats = jiuwen_hooks.stats()
     assert reply.choices[0].message.content == "ok (2 messages)"
     assert stats["releases.connect_error"] == 1
 
@@ -94,18 +92,16 @@ def test_unsupported_endpoint_cools_down_with_one_warning(
     assert len(warnings) == 1
 
 
-def test_cool_down_expires(call: Caller, jiuwen_engine: LocalEngine, jiuwen_telemetry: Any) -> None:
-    jiuwen_hooks.uninstall()
-    jiuwen_hooks.install(unsupported_cooldown=0)
-    try:
-        jiuwen_engine.answer_releases(404)
-        window = system_and_user(4)
-        call(window)
-        call(window[:3])
-        jiuwen_engine.answer_releases(200)
-        call(window[:2])
-    finally:
-        jiuwen_hooks.uninstall()
+def test_cool_down_expires(
+    call: Caller, jiuwen_engine: LocalEngine, jiuwen_telemetry: Any, jiuwen_hook_factory: Any
+) -> None:
+    jiuwen_hook_factory(unsupported_cooldown=0)
+    jiuwen_engine.answer_releases(404)
+    window = system_and_user(4)
+    call(window)
+    call(window[:3])
+    jiuwen_engine.answer_releases(200)
+    call(window[:2])
     assert len(jiuwen_engine.releases) == 2
 
 
@@ -136,31 +132,28 @@ def test_failures_warn_at_a_limited_rate(
 
 
 def test_background_dispatch_does_not_wait(
-    call: Caller, jiuwen_engine: LocalEngine, jiuwen_telemetry: Any
+    call: Caller, jiuwen_engine: LocalEngine, jiuwen_telemetry: Any, jiuwen_hook_factory: Any
 ) -> None:
-    jiuwen_hooks.uninstall()
-    hook = jiuwen_hooks.install(dispatch="background", timeout=2.0)
-    try:
-        jiuwen_engine.answer_releases(delay=1.0)
-        window = system_and_user(3)
-        call(window)
-        call(window[:2])
-        # the chat call returned while the server was still holding the release
-        assert jiuwen_hooks.stats().get("releases.total", 0) == 0
-        if call.mode == "async":
-            call.run(hook.aflush())
-        hook.flush()
-        assert jiuwen_hooks.stats()["releases.ok"] == 1
-        assert len(jiuwen_engine.wait_for_releases(1)) == 1
-    finally:
-        jiuwen_hooks.uninstall()
+    hook = jiuwen_hook_factory(dispatch="background", timeout=2.0)
+    jiuwen_engine.answer_releases(delay=1.0)
+    window = system_and_user(3)
+    call(window)
+    call(window[:2])
+    # the chat call returned while the server was still holding the release
+    assert jiuwen_hooks.stats().get("releases.total", 0) == 0
+    if call.mode == "async":
+        call.run(hook.aflush())
+    hook.flush()
+    assert jiuwen_hooks.stats()["releases.ok"] == 1
+    assert len(jiuwen_engine.wait_for_releases(1)) == 1
 
 
-def test_hanging_endpoint_delays_the_agent_once_per_cool_down(jiuwen_engine: LocalEngine) -> None:
+def test_hanging_endpoint_delays_the_agent_once_per_cool_down(
+    jiuwen_engine: LocalEngine, jiuwen_hook_factory: Any
+) -> None:
     """A release endpoint that hangs costs the agent the timeout once; then releases are skipped
     (``releases.unreachable``) until the cool-down ends."""
-    jiuwen_hooks.uninstall()
-    jiuwen_hooks.install(timeout=0.3, failure_cooldown=1.0)
+    jiuwen_hook_factory(timeout=0.3, failure_cooldown=1.0)
     jiuwen_engine.answer_releases(delay=2.0)
     caller = Caller("sync", jiuwen_engine.base_url)
     window = system_and_user(3)
@@ -179,7 +172,6 @@ def test_hanging_endpoint_delays_the_agent_once_per_cool_down(jiuwen_engine: Loc
         stats = jiuwen_hooks.stats()
     finally:
         caller.close()
-        jiuwen_hooks.uninstall()
     assert durations[0] >= 0.3 and durations[4] >= 0.3  # the timeout, once per cool-down
     assert max(durations[1:4]) < 0.25, durations
     assert stats["releases.timeout"] == 2 and stats["releases.unreachable"] == 3

@@ -23,3 +23,23 @@ def test_result_carries_its_run_metadata(path: Path) -> None:
 
 def test_there_are_results() -> None:
     assert len(list(RESULTS.glob("*.json"))) >= 10
+
+
+def test_benchmarks_run_as_modules_from_the_repository_root() -> None:
+    """``python -m benchmarks.<name>`` from a clone, with no ``PYTHONPATH``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.agent_bench", "--help"],
+        cwd=RESULTS.parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--pools" in done.stdout

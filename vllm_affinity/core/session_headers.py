@@ -19,16 +19,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from jiuwen_kv_protocol.headers import PARENT_HEADER, SESSION_HEADER
+from jiuwen_kv_protocol.headers import (
+    CLAUDE_CODE_AGENT_HEADER,
+    CLAUDE_CODE_SESSION_HEADER,
+    GENERIC_SESSION_HEADERS,
+    PARENT_HEADER,
+    SESSION_HEADER,
+)
 
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
     SESSION_HEADER,
-    "X-Claude-Code-Session-Id",
-    "session-id",
-    "X-Session-Affinity",
+    CLAUDE_CODE_SESSION_HEADER,
+    *GENERIC_SESSION_HEADERS,
 )
-CLAUDE_CODE_SESSION = "x-claude-code-session-id"
-CLAUDE_CODE_AGENT = "x-claude-code-agent-id"
+CLAUDE_CODE_SESSION = CLAUDE_CODE_SESSION_HEADER.lower()
+CLAUDE_CODE_AGENT = CLAUDE_CODE_AGENT_HEADER.lower()
 #: Longest session name taken from a header (longer values are ignored, not truncated).
 MAX_SESSION_LENGTH = 512
 
