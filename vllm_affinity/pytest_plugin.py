@@ -7,7 +7,8 @@ end-to-end tests.
   (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
-A server takes about 45 s to come up on 2 cores: tests share one per configuration
+The servers run eager (``VLLMServer(eager=True)``: no compile warm-up). A server takes about
+45 s to come up on 2 cores: tests share one per configuration
 (``shared_server`` declares more). Starting them in the background while the server-less tests
 run was tried and measured no faster here: both are CPU-bound on the same two cores.
 
@@ -44,13 +45,16 @@ def _plugin_server() -> VLLMServer:
         env={"VLLM_AFFINITY_TENANT_HEADER": TENANT_HEADER},
         cpu_cores="0",
         extra_args=("--trust-request-chat-template",),
+        eager=True,
     )
 
 
 def _vanilla_server() -> VLLMServer:
     from .testing import VLLMServer
 
-    return VLLMServer(plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1")
+    return VLLMServer(
+        plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1", eager=True
+    )
 
 
 def shared_server(name: str, factory: Callable[[], VLLMServer]) -> Any:

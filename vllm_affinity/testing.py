@@ -172,7 +172,7 @@ class VLLMServer(LoopbackServer):
         cpu_cores: str | None = None,
         pin_process: bool = False,
         port: int | None = None,
-        eager: bool = True,
+        eager: bool = False,
     ) -> None:
         self.model = str(model or build())
         self.plugin = plugin
@@ -197,8 +197,9 @@ class VLLMServer(LoopbackServer):
         self.log_path = Path(log_dir or tempfile.gettempdir()) / (
             f"vllm-{'affinity' if plugin else 'vanilla'}-{self.port}.log"
         )
-        #: ``--enforce-eager``: no torch.compile warm-up. The small model's requests take the
-        #: same time either way, and start-up is about 14 s shorter (44 s against 58 s here).
+        #: ``--enforce-eager``: no torch.compile warm-up, for tests: start-up is about 14 s
+        #: shorter (44 s against 58 s here), but long prompts run slower (the agent benchmark's
+        #: TTFT p50 rose from 32-52 ms to 48-84 ms), so benchmarks and the demo compile.
         self.eager = eager
         self._process: subprocess.Popen[bytes] | None = None
 

@@ -33,5 +33,6 @@ def second_plugin_server(otlp_collector: OtlpCollector) -> Iterator[VLLMServer]:
         },
         extra_args=("--otlp-traces-endpoint", otlp_collector.grpc_endpoint),
         cpu_cores="1",
+        eager=True,
     ) as server:
         yield server

@@ -25,7 +25,7 @@ API_KEY = "crash-key"
 
 @pytest.fixture
 def server() -> Iterator[VLLMServer]:
-    server = VLLMServer(plugin=True, num_blocks=64, api_key=API_KEY)
+    server = VLLMServer(plugin=True, num_blocks=64, api_key=API_KEY, eager=True)
     server.start()
     yield server
     server.stop()

@@ -21,7 +21,7 @@ SESSIONS = [f"sess-{i}" for i in range(5)]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[VLLMServer]:
-    with VLLMServer(num_blocks=128, extra_args=("--data-parallel-size", "2")) as server:
+    with VLLMServer(num_blocks=128, extra_args=("--data-parallel-size", "2"), eager=True) as server:
         yield server
 
 

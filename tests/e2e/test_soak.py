@@ -56,7 +56,7 @@ class Tally:
 
 @pytest.fixture(scope="module")
 def soak_server() -> Iterator[VLLMServer]:
-    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY) as server:
+    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY, eager=True) as server:
         yield server
 
 
