@@ -198,8 +198,9 @@ class VLLMServer(LoopbackServer):
             f"vllm-{'affinity' if plugin else 'vanilla'}-{self.port}.log"
         )
         #: ``--enforce-eager``: no torch.compile warm-up, for tests: start-up is about 14 s
-        #: shorter (44 s against 58 s here), but long prompts run slower (the agent benchmark's
-        #: TTFT p50 rose from 32-52 ms to 48-84 ms), so benchmarks and the demo compile.
+        #: shorter (44 s against 58 s here). Benchmarks and the demo keep vLLM's default, so
+        #: their figures stay comparable with earlier runs (the agent benchmark's vanilla TTFT
+        #: p50 at 0.5x was 63 ms either way here).
         self.eager = eager
         self._process: subprocess.Popen[bytes] | None = None
 
