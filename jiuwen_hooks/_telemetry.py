@@ -21,7 +21,6 @@ from jiuwen_kv_protocol.headers import RELEASE_SPAN
 
 logger = logging.getLogger("jiuwen_hooks")
 
-SPAN_NAME = RELEASE_SPAN  # re-exported for the tests
 INSTRUMENTATION_NAME = "jiuwen_hooks"
 
 
@@ -116,7 +115,7 @@ class Telemetry:
     @contextmanager
     def release_span(self, attributes: dict[str, Any]) -> Iterator[trace.Span]:
         with self.tracer.start_as_current_span(
-            SPAN_NAME, kind=trace.SpanKind.CLIENT, attributes=attributes, record_exception=False
+            RELEASE_SPAN, kind=trace.SpanKind.CLIENT, attributes=attributes, record_exception=False
         ) as span:
             yield span
 
@@ -125,7 +124,7 @@ class Telemetry:
         trace-context headers that join the server's span to it."""
         carrier: dict[str, str] = {}
         with self.tracer.start_as_current_span(
-            SPAN_NAME, kind=trace.SpanKind.CLIENT, attributes=attributes
+            RELEASE_SPAN, kind=trace.SpanKind.CLIENT, attributes=attributes
         ):
             propagate.inject(carrier)
         self.record_release(Outcome("in_request"), reason, None)

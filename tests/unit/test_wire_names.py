@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("jiuwen_hooks", "vllm_affinity", "examples", "benchmarks")
 #: Every header, path and span name (exact case; header names also lower-cased).
 NAMES = {
-    value for name, value in vars(headers).items() if name.isupper() and isinstance(value, str)
+    value
+    for name, constant in vars(headers).items()
+    if name.isupper()
+    for value in (constant if isinstance(constant, tuple) else (constant,))
+    if isinstance(value, str)
 } | {headers.RELEASE_HEADER.lower(), headers.SESSION_HEADER.lower()}
 
 
