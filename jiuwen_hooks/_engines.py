@@ -8,7 +8,9 @@
 
 Each engine is probed (``GET /affinity/capabilities``) at first contact and again every ``ttl``
 (a deployment may add or drop the plugin); every release answer teaches its state too. A state
-stays in force until a new answer replaces it; ``unsupported`` lifts after its cool-down.
+stays in force until a new answer replaces it; ``unsupported`` lifts after its cool-down. A probe
+that learned nothing (timed out on a busy server, 5xx) is retried soon, backing off from
+``retry`` seconds up to ``ttl``: one slow answer must not send every release by POST for minutes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class _Entry:
     next_probe: float = 0.0
     #: Until when releases are not sent after a timeout or a failed connection.
     unreachable_until: float = 0.0
+    #: Probes in a row that learned nothing (the retry backs off with them).
+    failed_probes: int = 0
 
 
 def state_from_capabilities(capabilities: Any) -> EngineState:
@@ -47,11 +51,19 @@ def state_from_capabilities(capabilities: Any) -> EngineState:
 
 class EngineDirectory:
     """Engine root → learned state; thread-safe. The probe of each root is rate-limited to one
-    per ``ttl``; an ``unsupported`` state holds for ``unsupported_ttl``."""
+    per ``ttl`` (a failed one is retried after ``retry``, doubling); an ``unsupported`` state holds
+    for ``unsupported_ttl``."""
 
-    def __init__(self, ttl: float, unsupported_ttl: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        ttl: float,
+        unsupported_ttl: float,
+        clock: Callable[[], float],
+        retry: float = 1.0,
+    ) -> None:
         self._ttl = ttl
         self._unsupported_ttl = unsupported_ttl
+        self._retry = retry
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
@@ -87,10 +99,15 @@ class EngineDirectory:
         """The probe's verdict: the capabilities it read (``state``), or that the route is
         missing (no plugin there: an in-request state is withdrawn, while a POST-only or
         unsupported state, learned from the POST itself, stays). Anything else (network error,
-        401, 5xx) changes nothing."""
+        timeout, 401, 5xx) changes no state and is retried after the back-off."""
         with self._lock:
             entry = self._entries.setdefault(root, _Entry())
-            entry.next_probe = self._clock() + self._ttl
+            learned = state is not None or route_missing
+            entry.failed_probes = 0 if learned else entry.failed_probes + 1
+            wait = self._ttl
+            if not learned:
+                wait = min(self._ttl, self._retry * 2 ** min(entry.failed_probes - 1, 30))
+            entry.next_probe = self._clock() + wait
             if state is not None:
                 entry.state = state
             elif route_missing and entry.state is EngineState.IN_REQUEST:

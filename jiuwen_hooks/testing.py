@@ -101,6 +101,7 @@ class _Records:
     lock: threading.Condition = field(default_factory=threading.Condition)
     strict: bool = False
     in_request: bool = False
+    capabilities_delay: float = 0.0
 
 
 class LocalEngine:
@@ -170,6 +171,11 @@ class LocalEngine:
         """Switch the in-request capability on or off (as when the plugin is deployed/removed)."""
         with self._records.lock:
             self._records.in_request = enabled
+
+    def delay_capabilities(self, seconds: float) -> None:
+        """Answer ``GET /affinity/capabilities`` ``seconds`` late (a busy server)."""
+        with self._records.lock:
+            self._records.capabilities_delay = seconds
 
     @property
     def hints(self) -> list[str | None]:
@@ -285,6 +291,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             self._send(200, json.dumps({"object": "list", "data": []}).encode())
         elif self.path == CAPABILITIES_PATH and self.records.in_request:
+            if self.records.capabilities_delay:
+                time.sleep(self.records.capabilities_delay)
             self._send(200, json.dumps(CAPABILITIES).encode())
         else:
             self._error(404, "Not Found")

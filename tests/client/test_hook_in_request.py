@@ -6,6 +6,7 @@ does not know."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,6 +150,25 @@ def test_engine_that_drops_the_plugin_goes_back_to_posts(
     plugin_call(window[:2])
     assert plugin_engine.hints[1] == "messages_released_index=3"
     assert [r.body["messages_released_index"] for r in plugin_engine.releases] == [2]
+
+
+@pytest.mark.parametrize("jiuwen_hook_options", [{"timeout": 0.2}])
+def test_a_probe_timed_out_at_first_contact_is_retried_soon(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
+) -> None:
+    """A busy server answered the first probe late: the hook asks again a second later, so the
+    session's releases ride on its requests from then on, not by POST for ``capability_ttl``."""
+    plugin_engine.delay_capabilities(0.5)
+    window = system_and_user(5)
+    plugin_call(window[:4])
+    assert learned(jiuwen_hook, plugin_engine) == "unknown"
+    plugin_engine.delay_capabilities(0)
+    time.sleep(1.1)  # the first retry is due 1 s after the failed probe
+    plugin_call(window)  # an append: no release due; starts the retry
+    assert learned(jiuwen_hook, plugin_engine) == "in_request"
+    plugin_call(window[:3])
+    assert plugin_engine.hints[-1] == "messages_released_index=3"
+    assert plugin_engine.releases == []
 
 
 @pytest.mark.parametrize("jiuwen_hook_options", [{"in_request": False}])
