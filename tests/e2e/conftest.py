@@ -1,5 +1,5 @@
-"""The end-to-end tests' second shared plugin server and its collector (the plugin's pytest
-plugin gives the first plugin server and the vanilla one)."""
+"""The end-to-end tests' own shared servers (the plugin's pytest plugin gives the first plugin
+server and the vanilla one): all of them start together when the first test needs one."""
 
 from __future__ import annotations
 
@@ -8,31 +8,45 @@ from collections.abc import Iterator
 import pytest
 
 from examples.otel_collector import OtlpCollector
+from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import VLLMServer
+
+_collector: OtlpCollector | None = None
+
+
+def _the_collector() -> OtlpCollector:
+    """The session's collector: its ports are fixed when the server that exports to it is
+    built; the process starts when a test asks for ``otlp_collector`` (the server's exporter
+    drops what it sends before that)."""
+    global _collector
+    if _collector is None:
+        _collector = OtlpCollector()
+    return _collector
 
 
 @pytest.fixture(scope="session")
 def otlp_collector() -> Iterator[OtlpCollector]:
     """A real OpenTelemetry collector process (rotel) that ``second_plugin_server`` exports
     its spans to."""
-    with OtlpCollector() as collector:
+    with _the_collector() as collector:
         yield collector
 
 
-@pytest.fixture(scope="session")
-def second_plugin_server(otlp_collector: OtlpCollector) -> Iterator[VLLMServer]:
-    """A plugin server for what the first one is not set up for: no API key (the openJiuwen
-    0.1.16 client sends none), a session's rewritten history released on divergence
-    (``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE``), and traces exported to ``otlp_collector``."""
-    with VLLMServer(
+def _second_plugin_server() -> VLLMServer:
+    return VLLMServer(
         plugin=True,
         num_blocks=96,
         env={
             "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "true",
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
         },
-        extra_args=("--otlp-traces-endpoint", otlp_collector.grpc_endpoint),
+        extra_args=("--otlp-traces-endpoint", _the_collector().grpc_endpoint),
         cpu_cores="1",
         eager=True,
-    ) as server:
-        yield server
+    )
+
+
+#: A plugin server for what the first one is not set up for: no API key (the openJiuwen 0.1.16
+#: client sends none), a session's rewritten history released on divergence
+#: (``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE``), and traces exported to ``otlp_collector``.
+second_plugin_server = shared_server("second_plugin_server", _second_plugin_server)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
 import jiuwen_hooks
+from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -23,12 +23,12 @@ pytestmark = pytest.mark.e2e
 API_KEY = "crash-key"
 
 
-@pytest.fixture
-def server() -> Iterator[VLLMServer]:
-    server = VLLMServer(plugin=True, num_blocks=64, api_key=API_KEY, eager=True)
-    server.start()
-    yield server
-    server.stop()
+def _crash_server() -> VLLMServer:
+    return VLLMServer(plugin=True, num_blocks=64, api_key=API_KEY, eager=True)
+
+
+#: This test's own server (it kills and restarts it), started with the other shared servers.
+crash_server = shared_server("crash_server", _crash_server)
 
 
 class Agent(threading.Thread):
@@ -76,7 +76,8 @@ def engine_stats(server: VLLMServer) -> dict[str, Any]:
     return stats
 
 
-def test_engine_killed_mid_run(server: VLLMServer) -> None:
+def test_engine_killed_mid_run(crash_server: VLLMServer) -> None:
+    server = crash_server
     hook = jiuwen_hooks.install(in_request=False, timeout=1.0, failure_cooldown=0.5)
     client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=15)
     agent = Agent(client)

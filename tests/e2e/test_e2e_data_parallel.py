@@ -5,13 +5,13 @@ out to both engines (the one holding the session releases, the other answers unk
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import openai
 import pytest
 
 import jiuwen_hooks
 from vllm_affinity.core import engine_rank
+from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 pytestmark = pytest.mark.e2e
@@ -19,17 +19,22 @@ pytestmark = pytest.mark.e2e
 SESSIONS = [f"sess-{i}" for i in range(5)]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[VLLMServer]:
-    with VLLMServer(num_blocks=128, extra_args=("--data-parallel-size", "2"), eager=True) as server:
-        yield server
+def _data_parallel_server() -> VLLMServer:
+    return VLLMServer(num_blocks=128, extra_args=("--data-parallel-size", "2"), eager=True)
+
+
+#: Started with the other shared servers.
+data_parallel_server = shared_server("data_parallel_server", _data_parallel_server)
 
 
 def _turn(window: list[dict[str, str]], session: str, turn: int) -> None:
     window.append({"role": "user", "content": filler_text(random.Random(f"{session}{turn}"), 30)})
 
 
-def test_sessions_stay_on_one_engine_and_releases_reach_it(server: VLLMServer) -> None:
+def test_sessions_stay_on_one_engine_and_releases_reach_it(
+    data_parallel_server: VLLMServer,
+) -> None:
+    server = data_parallel_server
     assert {engine_rank(s, 2) for s in SESSIONS} == {0, 1}  # both engines have sessions
     hook = jiuwen_hooks.install()
     try:
@@ -63,7 +68,8 @@ def test_sessions_stay_on_one_engine_and_releases_reach_it(server: VLLMServer) -
         assert engine["block_released_in_request"] > 0
 
 
-def test_a_posted_release_fans_out_to_both_engines(server: VLLMServer) -> None:
+def test_a_posted_release_fans_out_to_both_engines(data_parallel_server: VLLMServer) -> None:
+    server = data_parallel_server
     session = "fan-out"
     window = [{"role": "system", "content": filler_text(random.Random(session), 80)}]
     _turn(window, session, 0)
