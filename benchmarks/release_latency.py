@@ -11,15 +11,16 @@ One server with the plugin (32k context). For each size:
   with the session's blocks).
 - in-request: another session sends the same window, then the rewritten window with
   ``X-KV-Release``; the engine's own time for that release (``release_us_in_request``, spent in
-  the engine core before the request is scheduled) is read from ``/affinity/stats``. There is no
-  extra HTTP request and no render.
+  the engine core before the request is scheduled) is read from ``/affinity/stats``: the median
+  of ``--in-request-repeats`` runs. There is no extra HTTP request and no render.
 
-    python -m benchmarks.release_latency [--repeats 7]
+    python -m benchmarks.release_latency [--repeats 7] [--in-request-repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -59,12 +60,15 @@ def engine_counters(server: VLLMServer) -> dict[str, Any]:
 
 def in_request_release(
     server: VLLMServer, client: openai.OpenAI, label: str, window: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """The same rewrite as the POST, carried on the next chat request instead."""
-    session = f"latency-in-request-{label}"
+) -> tuple[int, int]:
+    """The same rewrite as the POST, carried on the next chat request instead: the engine's
+    time for it (µs) and the blocks it released. Each run is a session of its own, salted, so
+    that no block is shared with another run's (a shared block would be kept)."""
+    session = f"latency-in-request-{label}-{next(_RUNS)}"
     headers = {SESSION_HEADER: session}
+    salt = {"cache_salt": session}
     client.chat.completions.create(
-        model=SERVED_NAME, messages=window, max_tokens=1, extra_headers=headers
+        model=SERVED_NAME, messages=window, max_tokens=1, extra_headers=headers, extra_body=salt
     )
     middle = len(window) // 2
     rewritten = [*window[:middle], {"role": "user", "content": "[summary]"}]
@@ -74,6 +78,7 @@ def in_request_release(
         messages=rewritten,
         max_tokens=1,
         extra_headers={**headers, RELEASE_HEADER: f"messages_released_index={middle}"},
+        extra_body=salt,
     )
     after = engine_counters(server)
 
@@ -81,15 +86,18 @@ def in_request_release(
         return after.get(key, 0) - before.get(key, 0)
 
     assert grew("releases_in_request") == 1, (before, after)
-    return {
-        "in_request_engine_us": grew("release_us_in_request"),
-        "in_request_block_released": grew("block_released_in_request"),
-    }
+    return grew("release_us_in_request"), grew("block_released_in_request")
+
+
+_RUNS = itertools.count()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7, help="POSTs per size")
+    parser.add_argument(
+        "--in-request-repeats", type=int, default=3, help="in-request releases per size"
+    )
     parser.add_argument("--out", default="benchmarks/results/release_latency.json")
     args = parser.parse_args()
     server = VLLMServer(plugin=True, num_blocks=1100, max_model_len=32768, api_key="bench")
@@ -127,9 +135,14 @@ def main() -> int:
                 renders.append(data["render_ms"])
                 engines.append(data["engine_ms"])
                 released.append(data["block_released"])
-            in_request = in_request_release(server, client, label, window)
+            runs = [
+                in_request_release(server, client, label, window)
+                for _ in range(args.in_request_repeats)
+            ]
             results[label] = {
-                **in_request,
+                "in_request_engine_us": statistics.median(us for us, _ in runs),
+                "in_request_engine_us_all": [us for us, _ in runs],
+                "in_request_block_released": runs[0][1],
                 "prompt_tokens": reply.usage.prompt_tokens,
                 "prefill_s": round(prefill, 3),
                 "release_ms_p50": round(statistics.median(latencies) * 1e3, 2),
