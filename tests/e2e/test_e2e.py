@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -227,55 +228,50 @@ def test_cache_sharing_shares_prefixes_across_sessions(vllm_affinity_server: VLL
     assert result["kept_shared"] >= second.usage.prompt_tokens // BLOCK_SIZE - 1
 
 
-def test_installed_hook_posts_when_in_request_is_off(vllm_affinity_server: VLLMServer) -> None:
+def test_installed_hook_posts_when_in_request_is_off(
+    vllm_affinity_server: VLLMServer,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    jiuwen_telemetry: TelemetryCapture,
+) -> None:
     server = vllm_affinity_server
-    capture = TelemetryCapture()
-    jiuwen_hooks.uninstall()
-    jiuwen_hooks.install(tracer_provider=capture.tracer_provider, in_request=False)
-    try:
-        client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
-        messages = window(seed=80, words=400)
-        with jiuwen_hooks.session("hooked"):
-            client.chat.completions.create(
-                model=SERVED_NAME, messages=messages, max_tokens=4, extra_body={"ignore_eos": True}
-            )
-            messages[3] = {**messages[3], "content": "[Old tool result content cleared]"}
-            reply = client.chat.completions.create(
-                model=SERVED_NAME, messages=messages, max_tokens=4
-            )
-        client.close()
-        stats = jiuwen_hooks.stats()
-    finally:
-        jiuwen_hooks.uninstall()
+    hook = jiuwen_hook_factory(in_request=False)
+    client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
+    messages = window(seed=80, words=400)
+    with jiuwen_hooks.session("hooked"):
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=messages, max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        messages[3] = {**messages[3], "content": "[Old tool result content cleared]"}
+        reply = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=4)
+    client.close()
+    stats = hook.stats()
     assert reply.choices[0].message is not None
     assert stats["releases.ok"] == 1
-    (span,) = capture.spans("kv_cache.release")
+    (span,) = jiuwen_telemetry.spans("kv_cache.release")
     assert span.attributes["jiuwen.release.messages_released_index"] == 3
     assert span.attributes["jiuwen.release.block_released"] > 0
     assert stats["block_released"] == span.attributes["jiuwen.release.block_released"]
 
 
-def test_end_session_releases_the_session_whole(vllm_affinity_server: VLLMServer) -> None:
+def test_end_session_releases_the_session_whole(
+    vllm_affinity_server: VLLMServer, jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook]
+) -> None:
     """``jiuwen_hooks.end_session``: every block of the session that no other session holds goes
     to the released segment; the shared system prompt stays."""
     server = vllm_affinity_server
-    jiuwen_hooks.uninstall()
-    hook = jiuwen_hooks.install()
+    hook = jiuwen_hook_factory()
     shared = {"role": "system", "content": text(120, seed=90)}
-    try:
-        with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0) as c:
-            for session, seed in (("ending", 91), ("staying", 92)):
-                with jiuwen_hooks.session(session):
-                    c.chat.completions.create(
-                        model=SERVED_NAME, max_tokens=4,
-                        messages=[shared, {"role": "user", "content": text(300, seed)}],
-                    )  # fmt: skip
-        before = engine(server)
-        jiuwen_hooks.end_session("ending")
-        hook.flush()
-        stats = hook.stats()
-    finally:
-        jiuwen_hooks.uninstall()
+    with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0) as c:
+        for session, seed in (("ending", 91), ("staying", 92)):
+            with jiuwen_hooks.session(session):
+                c.chat.completions.create(
+                    model=SERVED_NAME, max_tokens=4,
+                    messages=[shared, {"role": "user", "content": text(300, seed)}],
+                )  # fmt: skip
+    before = engine(server)
+    jiuwen_hooks.end_session("ending")
+    hook.flush()
+    stats = hook.stats()
     after = engine(server)
     assert stats["end_session.released"] == 1 and stats["releases.ok"] == 1
     released = after["segments"]["released"] - before["segments"]["released"]

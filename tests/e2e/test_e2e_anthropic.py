@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -60,9 +61,13 @@ def client(server: VLLMServer) -> anthropic.Anthropic:
 
 
 @pytest.mark.parametrize("mode", ["post", "in_request"])
-def test_compaction_releases_exactly(vllm_affinity_server: VLLMServer, mode: str) -> None:
+def test_compaction_releases_exactly(
+    vllm_affinity_server: VLLMServer,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    mode: str,
+) -> None:
     server = vllm_affinity_server
-    hook = jiuwen_hooks.install(in_request=mode == "in_request")
+    hook = jiuwen_hook_factory(in_request=mode == "in_request")
     messages = history(41 if mode == "post" else 42)
     with client(server) as sdk, jiuwen_hooks.session(f"anthropic-{mode}"):
         first = sdk.messages.create(
@@ -90,9 +95,11 @@ def test_compaction_releases_exactly(vllm_affinity_server: VLLMServer, mode: str
     assert hook.stats()[f"releases.{'ok' if mode == 'post' else 'in_request'}"] == 1
 
 
-def test_streamed_and_async_calls_are_tracked(vllm_affinity_server: VLLMServer) -> None:
+def test_streamed_and_async_calls_are_tracked(
+    vllm_affinity_server: VLLMServer, jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook]
+) -> None:
     server = vllm_affinity_server
-    hook = jiuwen_hooks.install()
+    hook = jiuwen_hook_factory()
     messages = history(43)
     compacted = [messages[0], {"role": "user", "content": "summary"}]
     with client(server) as sdk, jiuwen_hooks.session("anthropic-stream"):
@@ -123,9 +130,11 @@ def test_streamed_and_async_calls_are_tracked(vllm_affinity_server: VLLMServer) 
     assert stats["engines"][server.root_url] == "in_request"
 
 
-def test_vanilla_vllm_sees_only_the_session_header(vllm_vanilla_server: VLLMServer) -> None:
+def test_vanilla_vllm_sees_only_the_session_header(
+    vllm_vanilla_server: VLLMServer, jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook]
+) -> None:
     server = vllm_vanilla_server
-    hook = jiuwen_hooks.install()
+    hook = jiuwen_hook_factory()
     messages = history(44)
     with client(server) as sdk, jiuwen_hooks.session("anthropic-vanilla"):
         for window in (messages, [messages[0], {"role": "user", "content": "summary"}]):

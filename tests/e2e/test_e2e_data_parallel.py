@@ -5,6 +5,7 @@ out to both engines (the one holding the session releases, the other answers unk
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import openai
 import pytest
@@ -32,31 +33,26 @@ def _turn(window: list[dict[str, str]], session: str, turn: int) -> None:
 
 
 def test_sessions_stay_on_one_engine_and_releases_reach_it(
-    data_parallel_server: VLLMServer,
+    data_parallel_server: VLLMServer, jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook]
 ) -> None:
     server = data_parallel_server
     assert {engine_rank(s, 2) for s in SESSIONS} == {0, 1}  # both engines have sessions
-    hook = jiuwen_hooks.install()
-    try:
-        with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0) as client:
-            windows = {}
-            for session in SESSIONS:
-                system = filler_text(random.Random(session), 60)
-                windows[session] = [{"role": "system", "content": system}]
-            for turn in range(3):
-                for session, window in windows.items():
-                    if turn == 2:  # compaction: the middle turn is dropped
-                        del window[1:3]
-                    _turn(window, session, turn)
-                    with jiuwen_hooks.session(session):
-                        client.chat.completions.create(
-                            model=SERVED_NAME, messages=window, max_tokens=2
-                        )
-                    window.append({"role": "assistant", "content": "ok"})
-                hook.flush()  # the capability probe answered before the compaction turn
-        hook_stats = hook.stats()
-    finally:
-        jiuwen_hooks.uninstall()
+    hook = jiuwen_hook_factory()
+    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0) as client:
+        windows = {}
+        for session in SESSIONS:
+            system = filler_text(random.Random(session), 60)
+            windows[session] = [{"role": "system", "content": system}]
+        for turn in range(3):
+            for session, window in windows.items():
+                if turn == 2:  # compaction: the middle turn is dropped
+                    del window[1:3]
+                _turn(window, session, turn)
+                with jiuwen_hooks.session(session):
+                    client.chat.completions.create(model=SERVED_NAME, messages=window, max_tokens=2)
+                window.append({"role": "assistant", "content": "ok"})
+            hook.flush()  # the capability probe answered before the compaction turn
+    hook_stats = hook.stats()
     assert hook_stats.get("releases.in_request", 0) == len(SESSIONS)
     engines = server.affinity_stats()["engines"]
     assert len(engines) == 2

@@ -6,7 +6,7 @@ works."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -34,15 +34,6 @@ DROPS_REASONING = (
     "{%- else %}{{ message['content'] }}{% endif %}</s>\n"
     "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-@pytest.fixture
-def capture() -> Iterator[TelemetryCapture]:
-    capture = TelemetryCapture()
-    jiuwen_hooks.uninstall()
-    yield capture
-    jiuwen_hooks.uninstall()
-    capture.shutdown()
 
 
 def client_of(server: VLLMServer) -> openai.OpenAI:
@@ -82,10 +73,12 @@ def tokens(
 
 
 def test_in_request_release_is_exact_and_costs_no_round_trip(
-    vllm_affinity_server: VLLMServer, capture: TelemetryCapture
+    vllm_affinity_server: VLLMServer,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    jiuwen_telemetry: TelemetryCapture,
 ) -> None:
     server = vllm_affinity_server
-    hook = jiuwen_hooks.install(tracer_provider=capture.tracer_provider)
+    hook = jiuwen_hook_factory()
     rng = random.Random(7)
     window = [
         {"role": "system", "content": "You are agent 7."},
@@ -119,18 +112,20 @@ def test_in_request_release_is_exact_and_costs_no_round_trip(
     stats = hook.stats()
     assert stats["releases.in_request"] == 1 and "releases.ok" not in stats
     assert stats["engines"] == {server.root_url: "in_request"}
-    (span,) = capture.spans("kv_cache.release")
+    (span,) = jiuwen_telemetry.spans("kv_cache.release")
     assert span.attributes["jiuwen.release.mode"] == "in_request"
     assert span.attributes["jiuwen.release.messages_released_index"] == 3
 
 
 def test_in_request_release_serves_that_very_request_side_by_side(
-    vllm_affinity_server: VLLMServer, vllm_vanilla_server: VLLMServer, capture: TelemetryCapture
+    vllm_affinity_server: VLLMServer,
+    vllm_vanilla_server: VLLMServer,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
 ) -> None:
     """B (oldest) and D idle; A rewrites its history and its new prompt needs more blocks than
     are free. With the plugin the hint frees A's stale blocks before A's request allocates, so B's
     prefix survives; on vanilla (the same hook installed) LRU evicts B's."""
-    hook = jiuwen_hooks.install(tracer_provider=capture.tracer_provider)
+    hook = jiuwen_hook_factory()
     results = {}
     for server in (vllm_affinity_server, vllm_vanilla_server):
         tag = "plugin" if server.plugin else "vanilla"
@@ -179,7 +174,9 @@ def squeezer(client: openai.OpenAI, tag: str) -> Any:
 
 @pytest.mark.parametrize("server_name", ["vllm_vanilla_server", "vllm_affinity_server"])
 def test_sessions_sharing_a_system_prompt_hit_alike_with_and_without_the_hook(
-    server_name: str, request: pytest.FixtureRequest
+    server_name: str,
+    request: pytest.FixtureRequest,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
 ) -> None:
     """Six sessions share a long system prompt. The hook (header only) must not change the hit
     rate. The old default (a ``cache_salt`` per session, with ``cache_sharing``) is measured too:
@@ -190,7 +187,7 @@ def test_sessions_sharing_a_system_prompt_hit_alike_with_and_without_the_hook(
     rates = {}
     for seed, mode in enumerate(("no hook", "hook", "hook + session_body")):
         if mode != "no hook":
-            jiuwen_hooks.install(session_body=mode == "hook + session_body")
+            jiuwen_hook_factory(session_body=mode == "hook + session_body")
         system = f"{seed} " + filler_text(random.Random(1000), 300)  # same length each run
         queries, hits = prefix_cache(server)
         try:

@@ -6,6 +6,7 @@ releases get vLLM's 400."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -32,9 +33,13 @@ def history(seed: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("mode", ["post", "in_request"])
-def test_compaction_releases_exactly(vllm_affinity_server: VLLMServer, mode: str) -> None:
+def test_compaction_releases_exactly(
+    vllm_affinity_server: VLLMServer,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    mode: str,
+) -> None:
     server = vllm_affinity_server
-    hook = jiuwen_hooks.install(in_request=mode == "in_request")
+    hook = jiuwen_hook_factory(in_request=mode == "in_request")
     items = history(31 if mode == "post" else 32)
     client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
     with client, jiuwen_hooks.session(f"responses-{mode}"):

@@ -7,6 +7,7 @@ releases its own blocks as dead. (The PROTECTED segment for waiting parents is o
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -38,10 +39,10 @@ def wait_for(server: VLLMServer, what: str, done: Any) -> dict[str, Any]:
 
 
 def test_hook_subagent_protects_its_parent_and_its_end_releases_it(
-    vllm_affinity_server: VLLMServer,
+    vllm_affinity_server: VLLMServer, jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook]
 ) -> None:
     server = vllm_affinity_server
-    hook = jiuwen_hooks.install()
+    hook = jiuwen_hook_factory()
     before = server.engine_stats()
     with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0) as c:
 
