@@ -45,6 +45,9 @@ class Options:
     in_request: bool = True
     #: Seconds what an engine advertised is trusted before it is asked again.
     capability_ttl: float = 300.0
+    #: Seconds for the capability probe. It runs on the hook's background thread, never on the
+    #: agent's path, so a busy server gets longer for it than for a release the agent may wait for.
+    probe_timeout: float = 5.0
     min_released_messages: int = 1
     ignore_trailing_messages: int = 0
     max_sessions: int = 10_000
@@ -69,6 +72,7 @@ class Options:
     def __post_init__(self) -> None:
         checks = {
             "timeout": self.timeout > 0,
+            "probe_timeout": self.probe_timeout > 0,
             "min_released_messages": self.min_released_messages >= 0,
             "ignore_trailing_messages": self.ignore_trailing_messages >= 0,
             "max_sessions": self.max_sessions >= 1,

@@ -104,6 +104,7 @@ class ReleaseClient:
         self.engines = engines
         self._warnings = RateLimitedWarnings(options.warning_interval)
         self._timeout = httpx.Timeout(options.timeout)
+        self._probe_timeout = httpx.Timeout(options.probe_timeout)
         self._sync: httpx.Client | None = None
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
             weakref.WeakKeyDictionary()
@@ -147,7 +148,9 @@ class ReleaseClient:
         missing = False
         try:
             with _no_instrumentation():
-                response = self._sync_client().get(root + CAPABILITIES_PATH, headers=headers)
+                response = self._sync_client().get(
+                    root + CAPABILITIES_PATH, headers=headers, timeout=self._probe_timeout
+                )
             missing = response.status_code in (404, 405)
             if response.status_code == 200:
                 state = state_from_capabilities(response.json())

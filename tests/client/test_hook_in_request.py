@@ -153,6 +153,20 @@ def test_engine_that_drops_the_plugin_goes_back_to_posts(
 
 
 @pytest.mark.parametrize("jiuwen_hook_options", [{"timeout": 0.2}])
+def test_the_probe_waits_longer_than_a_release(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
+) -> None:
+    """The probe runs off the agent's path: a server answering it later than a release may take
+    (``timeout``) is still learned (``probe_timeout``, 5 s by default)."""
+    plugin_engine.delay_capabilities(0.5)
+    window = system_and_user(4)
+    plugin_call(window)
+    assert learned(jiuwen_hook, plugin_engine) == "in_request"
+    plugin_call(window[:3])
+    assert plugin_engine.hints[-1] == "messages_released_index=3"
+
+
+@pytest.mark.parametrize("jiuwen_hook_options", [{"probe_timeout": 0.2}])
 def test_a_probe_timed_out_at_first_contact_is_retried_soon(
     plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
 ) -> None:
