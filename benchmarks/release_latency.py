@@ -20,7 +20,6 @@ One server with the plugin (32k context). For each size:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import statistics
@@ -59,12 +58,11 @@ def engine_counters(server: VLLMServer) -> dict[str, Any]:
 
 
 def in_request_release(
-    server: VLLMServer, client: openai.OpenAI, label: str, window: list[dict[str, Any]]
+    server: VLLMServer, client: openai.OpenAI, session: str, window: list[dict[str, Any]]
 ) -> tuple[int, int]:
     """The same rewrite as the POST, carried on the next chat request instead: the engine's
     time for it (µs) and the blocks it released. Each run is a session of its own, salted, so
     that no block is shared with another run's (a shared block would be kept)."""
-    session = f"latency-in-request-{label}-{next(_RUNS)}"
     headers = {SESSION_HEADER: session}
     salt = {"cache_salt": session}
     client.chat.completions.create(
@@ -87,9 +85,6 @@ def in_request_release(
 
     assert grew("releases_in_request") == 1, (before, after)
     return grew("release_us_in_request"), grew("block_released_in_request")
-
-
-_RUNS = itertools.count()
 
 
 def main() -> int:
@@ -136,8 +131,8 @@ def main() -> int:
                 engines.append(data["engine_ms"])
                 released.append(data["block_released"])
             runs = [
-                in_request_release(server, client, label, window)
-                for _ in range(args.in_request_repeats)
+                in_request_release(server, client, f"latency-in-request-{label}-{run}", window)
+                for run in range(args.in_request_repeats)
             ]
             results[label] = {
                 "in_request_engine_us": statistics.median(us for us, _ in runs),

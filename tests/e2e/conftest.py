@@ -3,6 +3,7 @@ server and the vanilla one): all of them start together when the first test need
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import pytest
@@ -11,17 +12,13 @@ from examples.otel_collector import OtlpCollector
 from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import VLLMServer
 
-_collector: OtlpCollector | None = None
 
-
+@functools.cache
 def _the_collector() -> OtlpCollector:
     """The session's collector: its ports are fixed when the server that exports to it is
     built; the process starts when a test asks for ``otlp_collector`` (the server's exporter
     drops what it sends before that)."""
-    global _collector
-    if _collector is None:
-        _collector = OtlpCollector()
-    return _collector
+    return OtlpCollector()
 
 
 @pytest.fixture(scope="session")
