@@ -22,6 +22,23 @@ CAPABILITIES_PATH = "/affinity/capabilities"
 CLAUDE_CODE_SESSION_HEADER = "X-Claude-Code-Session-Id"
 CLAUDE_CODE_AGENT_HEADER = "X-Claude-Code-Agent-Id"
 GENERIC_SESSION_HEADERS = ("session-id", "X-Session-Affinity")
+#: The Codex CLI: its thread (a subagent's own), its parent thread, and what it says of each
+#: request (the context window's number, the request's kind).
+CODEX_THREAD_HEADER = "thread-id"
+CODEX_PARENT_HEADER = "x-codex-parent-thread-id"
+CODEX_WINDOW_HEADER = "x-codex-window-id"
+CODEX_METADATA_HEADER = "x-codex-turn-metadata"
+#: opencode's parent session (a subagent's ``task`` session names its lead).
+OPENCODE_PARENT_HEADER = "x-parent-session-id"
+#: Headers only coding agents send: a request carrying one is an agent's, whose compactions
+#: the server tells by itself (the hook never sends them).
+CODING_AGENT_HEADERS = (
+    CLAUDE_CODE_SESSION_HEADER,
+    *GENERIC_SESSION_HEADERS,
+    CODEX_THREAD_HEADER,
+    CODEX_WINDOW_HEADER,
+    CODEX_METADATA_HEADER,
+)
 
 #: The span both sides record for a release (the client's CLIENT span is the parent of the
 #: server's SERVER span: the trace context rides on the release request or the chat request).

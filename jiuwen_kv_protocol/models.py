@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: The paths a release reaches the engine by (``releases_<mode>``, ``block_released_<mode>``).
-ReleaseMode = Literal["post", "in_request", "divergence", "agent_hint", "child_end"]
+ReleaseMode = Literal["post", "in_request", "divergence", "agent_hint", "child_end", "compaction"]
 #: One engine's release outcome; ``mixed``: engines of one data-parallel server disagreed.
 ReleaseStatus = Literal["ok", "unknown_session", "record_mismatch", "mixed"]
 #: One engine's idle-signal outcome (``running``: the session's next request came first).

@@ -50,6 +50,7 @@ from .core import (
     SessionBlocks,
     first_divergent_block,
 )
+from .core.compaction import side_branch
 from .core.counters import Counters
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
@@ -61,8 +62,11 @@ HINT_KEY = "kv_release"
 PARENT_KEY = "kv_parent"
 #: Key of the request's principal in ``SamplingParams.extra_args`` (``core/tenants.py``).
 PRINCIPAL_KEY = "kv_principal"
+#: Key of a compaction the API server told from the agent's own requests
+#: (``core/compaction.py``): the request's window rewrote its session's main thread.
+REWRITE_KEY = "kv_rewrite"
 #: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
-RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY)
+RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY)
 
 _applied = False
 
@@ -136,6 +140,24 @@ class PoolAffinity:
             result.prompt_tokens = record.num_prompt_tokens
         # time spent in the engine core on this path (what a hinted request adds to its step)
         self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
+        return result
+
+    def release_rewritten(self, session: str, chain: list[Any]) -> EngineRelease:
+        """A compaction told from the agent's own requests (``core/compaction.py``): the
+        session's side branch is dead (released first, so blocks it shared with the main
+        thread go too), then the main thread's blocks ``chain`` cannot hit. Also when ``chain``
+        shares no block with them: the agent said the old window is gone."""
+        side = self.sessions.select_release(side_branch(session), 0)
+        self.sessions.forget(side_branch(session))
+        record = self.sessions.latest.get(session)
+        if record is None:
+            return self._apply(ReleaseSelection(status="unknown_session"), 0, "compaction", side)
+        first = first_divergent_block(
+            (self._hash_of(block_id) for block_id in record.block_ids), chain
+        )
+        main = self.sessions.select_release(session, first)
+        result = self._apply(main, first, "compaction", side)
+        result.prompt_tokens = record.num_prompt_tokens
         return result
 
     def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
@@ -218,9 +240,15 @@ class PoolAffinity:
         return None if block_hash is None else self._strip_group(block_hash)
 
     def _apply(
-        self, selection: ReleaseSelection, first_block: int, mode: ReleaseMode
+        self,
+        selection: ReleaseSelection,
+        first_block: int,
+        mode: ReleaseMode,
+        also: ReleaseSelection | None = None,
     ) -> EngineRelease:
-        results = Counter(self.queue.release(self.pool.blocks[b]) for b in selection.block_ids)
+        """Release ``selection``'s blocks (and ``also``'s, counted as one release)."""
+        block_ids = selection.block_ids + (also.block_ids if also else [])
+        results = Counter(self.queue.release(self.pool.blocks[b]) for b in block_ids)
         moved, pending = results[ReleaseResult.MOVED], results[ReleaseResult.PENDING]
         self.counters.add("releases", 1)
         self.counters.add(f"releases_{selection.status}", 1)
@@ -233,7 +261,7 @@ class PoolAffinity:
             block_released=moved + pending,
             moved=moved,
             pending=pending,
-            kept_shared=selection.kept_shared,
+            kept_shared=selection.kept_shared + (also.kept_shared if also else 0),
             first_stale_block=first_block,
         )
 
@@ -250,7 +278,9 @@ class PoolAffinity:
             parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)
         if parent or self.subagents.waiting(session):
             self._apply_family(self.subagents.call(session, parent))
-        if HINT_KEY in extra:
+        if REWRITE_KEY in extra:
+            self.release_rewritten(session, request.block_hashes)
+        elif HINT_KEY in extra:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")

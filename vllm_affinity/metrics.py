@@ -145,6 +145,13 @@ class AffinityMetrics:
             ["outcome"],
             registry=registry,
         )
+        self._windows = Counter(
+            "vllm_affinity_agent_windows",
+            "Windows of coding-agent sessions by the compaction rule's verdict: first, append, "
+            "retry, rewrite (the old window's dead blocks released) or side (a side branch)",
+            ["verdict"],
+            registry=registry,
+        )
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()
         self._lock = threading.Lock()
@@ -174,6 +181,11 @@ class AffinityMetrics:
         self._lifecycle.labels(outcome=outcome).inc()
         with self._lock:
             self._counts[f"lifecycle.{outcome}"] += 1
+
+    def count_window(self, verdict: str) -> None:
+        self._windows.labels(verdict=verdict).inc()
+        with self._lock:
+            self._counts[f"windows.{verdict}"] += 1
 
     def update_engine_stats(self, engines: list[dict[str, Any]]) -> None:
         with self._lock:

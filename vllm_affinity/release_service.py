@@ -29,6 +29,7 @@ from jiuwen_kv_protocol.headers import (
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseRequest
 
+from .core.compaction import CompactionRule
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
 from .lifecycle import IdleSignals
@@ -74,11 +75,14 @@ class ReleaseService:
     #: Engine cores of a data-parallel server (1 without data parallelism).
     data_parallel_size: int = 1
     idle_signals: IdleSignals = field(init=False)
+    #: Coding agents' main threads, for their compactions (``agent_windows.py``).
+    compaction: CompactionRule = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle_signals = IdleSignals(
             self.call_engines, self.settings.idle_after, self.metrics.count_lifecycle
         )
+        self.compaction = CompactionRule(self.settings.max_sessions)
 
     # -- request handling ---------------------------------------------------------------------
     async def handle(self, raw: Request) -> JSONResponse:

@@ -16,10 +16,15 @@ from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
+from .agent_windows import apply_compaction_rule
 from .core import HintError, ReleaseHint, engine_rank
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
-from .core.session_headers import parent_from_headers, session_from_headers
+from .core.session_headers import (
+    MAX_SESSION_LENGTH,
+    parent_from_headers,
+    session_from_headers,
+)
 from .core.tenants import UNSCOPED, scoped
 from .engine import HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .lifecycle import watched
@@ -53,7 +58,7 @@ def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]
     if headers is None or not hasattr(request, "session_id"):
         return  # a request kind without session_id is left alone
     if request.session_id is None:  # a body session_id wins
-        session = session_from_headers(headers, names)
+        session = session_from_headers(headers, names) or prompt_cache_key(request)
         if session is not None:
             request.session_id = session
     parent = parent_from_headers(headers, names)
@@ -63,6 +68,17 @@ def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]
         and (PARENT_KEY not in (request.vllm_xargs or {}))
     ):
         request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: parent}
+
+
+def prompt_cache_key(request: Any) -> str | None:
+    """The OpenAI SDK's ``prompt_cache_key`` (a Responses field; kept among a chat request's
+    extra fields), the last source of a session's name."""
+    key = getattr(request, "prompt_cache_key", None)
+    if key is None:
+        key = (getattr(request, "model_extra", None) or {}).get("prompt_cache_key")
+    if isinstance(key, str) and key.strip() and len(key) <= MAX_SESSION_LENGTH:
+        return key.strip()
+    return None
 
 
 def strip_reserved_args(request: Any) -> None:
@@ -134,11 +150,23 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         apply_cache_sharing(request, settings.allow_cache_sharing)
         apply_session_headers(request, raw_request, settings.session_headers)
         service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
-        session = None
+        session = owner = None
         if service is not None:
             principal = service.principal_of(raw_request)
             apply_principal(request, principal)
             named = session_key(instance, request, raw_request)
+            owner = scoped(principal, named) if named else None
+            if named:
+                named, verdict = apply_compaction_rule(
+                    service.compaction,
+                    request,
+                    raw_request.headers,
+                    principal,
+                    named,
+                    settings.infer_compaction,
+                )
+                if verdict is not None:
+                    service.metrics.count_window(verdict)
             session = scoped(principal, named) if named else None
         next_use = None
         if settings.lifecycle and session:  # validated before anything is applied or counted
@@ -147,8 +175,8 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             except NextUseError as exc:
                 service.metrics.count_lifecycle("invalid")
                 return _hint_error(instance, str(exc))
-        if settings.dp_session_affinity and session:
-            pin_session_to_engine(service, session, raw_request)
+        if settings.dp_session_affinity and owner:  # a side branch on its session's engine
+            pin_session_to_engine(service, owner, raw_request)
         try:
             hint = apply_release_hint(request, raw_request)
         except HintError as exc:

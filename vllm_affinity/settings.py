@@ -55,6 +55,11 @@ class Settings:
     #: prompt tokens than vanilla (subagents run many calls; their caches are worth more than
     #: the one call their parent makes when they are done). See docs/coding-agents.md.
     protect_share: float = 0.0
+    #: Which sessions' compactions the server tells from their own requests
+    #: (``core/compaction.py``): ``agents``, requests that carry a coding agent's own headers
+    #: or ``prompt_cache_key`` (the hook's and vLLM's ``X-Session-ID`` alone do not: the hook
+    #: releases exactly); ``all``, every session; ``off``.
+    infer_compaction: str = "agents"
     #: A header a trusted gateway sets to name the request's tenant: sessions are scoped to it
     #: (``core/tenants.py``); empty: scoped to the API key, when the server has keys.
     tenant_header: str = ""
@@ -80,6 +85,9 @@ class Settings:
             child_end=_choice(env, "VLLM_AFFINITY_CHILD_END", ("release", "idle"), "release"),
             protect_share=_share(env, "VLLM_AFFINITY_PROTECT_SHARE", 0.0),
             tenant_header=_header_name(env, "VLLM_AFFINITY_TENANT_HEADER"),
+            infer_compaction=_choice(
+                env, "VLLM_AFFINITY_INFER_COMPACTION", ("agents", "all", "off"), "agents"
+            ),
         )
 
 

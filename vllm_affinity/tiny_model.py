@@ -10,6 +10,14 @@ template that renders tools and tool calls. Built once into a cache folder, then
 ``tiny`` (the default: ~3M parameters) keeps tests fast; ``heavy`` (~30M parameters, same
 tokenizer and template) makes prefill cost what it costs on real hardware relative to the rest of
 a request (a 2k-token prefill takes a few hundred ms on one core here), for benchmarks.
+
+``long`` is ``tiny`` for the coding agents (Claude Code's first prompt alone is ~35k tokens of
+this tokenizer): 128k positions, and answers that end after a few visible tokens, whatever the
+prompt and the sampling. Its weights are random but for a few dimensions set by hand: every
+token's embedding points the last position at a short chain of answer tokens that ends with
+``</s>``, by a margin no sampling temperature an agent uses can overcome. A coding agent
+treats an empty answer as a failure to retry, and an answer cut at ``max_tokens`` as an error;
+this one is neither.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 #: Bump when the recipe changes, so cached builds are rebuilt.
 RECIPE_VERSION = 2
@@ -29,7 +38,13 @@ HEAVY_DIR = DEFAULT_DIR.with_name("heavy-llama")
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (256, 512, 2, 4, 2),
     "heavy": (512, 1536, 8, 8, 4),
+    "long": (256, 512, 2, 4, 2),
 }
+LONG_DIR = DEFAULT_DIR.with_name("long-llama")
+#: Positions of the ``long`` variant.
+LONG_POSITIONS = 131072
+#: The ``long`` variant's answer: these words (one token each), then ``</s>``.
+ANSWER_WORDS = ("summary", " ok", ".")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
@@ -122,7 +137,9 @@ def build(
     """Build (or reuse) the model folder and return its path."""
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; choose from {', '.join(SIZES)}")
-    out_dir = out_dir or (DEFAULT_DIR if size == "tiny" else HEAVY_DIR)
+    out_dir = out_dir or {"tiny": DEFAULT_DIR, "heavy": HEAVY_DIR, "long": LONG_DIR}[size]
+    if size == "long":
+        max_positions = LONG_POSITIONS
     hidden, intermediate, layers, heads, kv_heads = SIZES[size]
     stamp = out_dir / "jiuwen-recipe.json"
     recipe: dict[str, object] = {
@@ -173,13 +190,48 @@ def build(
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=size != "long",
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    if size == "long":
+        _short_answers(model, [fast.convert_tokens_to_ids(t) for t in _answer_tokens(fast)])
+    model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
     stamp.write_text(json.dumps(recipe))
     return out_dir
+
+
+def _answer_tokens(tokenizer: Any) -> list[str]:
+    """The answer words as single tokens, then the end-of-sequence token."""
+    tokens = []
+    for word in ANSWER_WORDS:
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RuntimeError(f"answer word {word!r} is {len(ids)} tokens, not one")
+        tokens.append(tokenizer.convert_ids_to_tokens(ids[0]))
+    return [*tokens, tokenizer.eos_token]
+
+
+def _short_answers(model: Any, chain: list[int]) -> None:
+    """Hand-set dimensions 0..len(chain)-1 of the embeddings and the output head: any token
+    outside the chain selects ``chain[0]``, ``chain[i]`` selects ``chain[i + 1]``. The residual
+    stream at the last position is dominated by the last token's embedding (the random layers
+    add little), so the model is, in effect, this bigram chain."""
+    import torch
+
+    stages = len(chain)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        embed[:, :stages] = 0.0
+        head[:, :stages] = 0.0
+        embed[:, 0] = 4.0  # stage 0: any token
+        for stage, token in enumerate(chain[:-1], start=1):
+            embed[token, 0] = 0.0
+            embed[token, stage] = 4.0
+        for stage, token in enumerate(chain):
+            head[token, stage] = 3.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,19 @@ of an ordered list of headers that a request carries (``VLLM_AFFINITY_SESSION_HE
   subagents carry ``X-Claude-Code-Agent-Id`` too; the agent id is appended
   (``<session>/<agent>``), so each subagent is a session of its own and the lead's cache is
   never released by a subagent's rewrite;
-- ``session-id``: the Codex CLI;
-- ``X-Session-Affinity``: gateways that pin a conversation to a replica.
+- ``thread-id``: the Codex CLI's thread (a subagent's own; its ``session-id`` is the root's);
+- ``session-id``: the Codex CLI's session (the root thread);
+- ``X-Session-Affinity``: gateways that pin a conversation to a replica, and opencode (which
+  also sends ``X-Session-Id``: vLLM's own header, case aside);
+- then the body's ``prompt_cache_key`` (the OpenAI SDK's field; the Codex CLI sets it to its
+  thread), read by ``serving.py``.
 
-A subagent's parent: ``X-Parent-Session-ID`` (the hook's ``session(id, parent=...)``), else, for
-a Claude Code subagent, its session id without the agent id.
+A body ``session_id`` comes before all of them (vLLM's own rule).
+
+A subagent's parent: ``X-Parent-Session-ID`` (the hook's ``session(id, parent=...)``, and
+opencode's ``x-parent-session-id``: the same header), else the Codex CLI's
+``x-codex-parent-thread-id``, else, for a Claude Code subagent, its session id without the
+agent id (its lead).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from jiuwen_kv_protocol.headers import (
     CLAUDE_CODE_AGENT_HEADER,
     CLAUDE_CODE_SESSION_HEADER,
+    CODEX_PARENT_HEADER,
+    CODEX_THREAD_HEADER,
     GENERIC_SESSION_HEADERS,
     PARENT_HEADER,
     SESSION_HEADER,
@@ -30,6 +40,7 @@ from jiuwen_kv_protocol.headers import (
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
     SESSION_HEADER,
     CLAUDE_CODE_SESSION_HEADER,
+    CODEX_THREAD_HEADER,
     *GENERIC_SESSION_HEADERS,
 )
 CLAUDE_CODE_SESSION = CLAUDE_CODE_SESSION_HEADER.lower()
@@ -68,11 +79,16 @@ def session_from_headers(headers: Mapping[str, str], names: Sequence[str]) -> st
 def parent_from_headers(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
     """The parent session a subagent's request names (see the module's docstring), or
     ``None``."""
-    value = (headers.get(PARENT_HEADER) or "").strip()
-    if value and len(value) <= MAX_SESSION_LENGTH:
-        return value
+    for header in (PARENT_HEADER, CODEX_PARENT_HEADER):
+        value = _value(headers, header)
+        if value:
+            return value
     if CLAUDE_CODE_SESSION in (n.lower() for n in names) and headers.get(CLAUDE_CODE_AGENT):
-        session = (headers.get(CLAUDE_CODE_SESSION) or "").strip()
-        if session and len(session) <= MAX_SESSION_LENGTH:
-            return session
+        return _value(headers, CLAUDE_CODE_SESSION)
     return None
+
+
+def _value(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value, when it is one a session may be named by."""
+    value = (headers.get(name) or "").strip()
+    return value if value and len(value) <= MAX_SESSION_LENGTH else None

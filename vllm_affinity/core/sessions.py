@@ -14,7 +14,8 @@ A release by session S from block index b: S's record stops holding its blocks f
 a record holds is always a prefix of it); a block no other record holds is returned for release,
 one still held by another session is kept (``kept_shared``).
 
-Shared across time: a block whose current content more than one session has held (at once or
+Shared across time: a block whose current content more than one session has held (a session's
+side branch, ``core/compaction.py``, counts as the session itself) (at once or
 one after the other: a subagent's system prompt that the next subagent hit) is never returned
 for release or idling, even when no record holds it any more. A session's release says its own
 context is dead; content other sessions have used is not its to declare dead, and the queue's LRU
@@ -28,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from .compaction import owner_of
 
 #: ``running``: an idle selection of a session whose request runs (nothing selected).
 SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
@@ -177,11 +180,12 @@ class SessionBlocks:
     # -- internals ----------------------------------------------------------------------------
     def _hold(self, session: str, record: SessionRecord, block_ids: Sequence[int]) -> None:
         holders, generation, first_holder = self._holders, self._generation, self._first_holder
+        owner = owner_of(session)  # a side branch shares its own session's blocks freely
         for block_id in block_ids:
             record.block_ids.append(block_id)
             record.generations.append(generation.get(block_id, 0))
             holders[block_id] = holders.get(block_id, 0) + 1
-            if first_holder.setdefault(block_id, session) != session:
+            if first_holder.setdefault(block_id, owner) != owner:
                 self._shared.add(block_id)
         record.held = len(record.block_ids)
         self.bindings += len(block_ids)

@@ -1,0 +1,141 @@
+"""The compaction rule (pure core): windows as Claude Code and the Codex CLI send them."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_affinity.core.compaction import (
+    AgentWindow,
+    CompactionRule,
+    Window,
+    digest,
+    owner_of,
+    side_branch,
+)
+from vllm_affinity.core.sessions import SessionBlocks
+
+TOOLS = [{"type": "function", "function": {"name": "Bash", "parameters": {}}}]
+SYSTEM = {"role": "system", "content": "You are a coding agent."}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def answer(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def main(*messages: dict) -> Window:
+    return Window.of([SYSTEM, *messages], TOOLS)
+
+
+def test_claude_code_session_turns_side_requests_compaction_and_retry() -> None:
+    rule = CompactionRule()
+    turn1 = main(user("fix the bug"))
+    assert rule.classify("s", turn1) == "first"
+    # the per-turn side request: no tools, another system prompt
+    side = Window.of([{"role": "system", "content": "Title this."}, user("<session>x")], None)
+    assert rule.classify("s", side) == "side"
+    turn2 = main(user("fix the bug"), answer("ok"), user("and the test"))
+    assert rule.classify("s", turn2) == "append"
+    # the compaction request appends its instruction to the whole window (sent twice)
+    compact = main(user("fix the bug"), answer("ok"), user("and the test"), answer("done"),
+                   user("CRITICAL: summarise"))  # fmt: skip
+    assert rule.classify("s", compact) == "append"
+    assert rule.classify("s", compact) == "append"
+    # an answer with no visible text: the last user message is re-sent, changed
+    retried = main(user("fix the bug"), answer("ok"), user("and the test"), answer("done"),
+                   user("CRITICAL: summarise. Text only."))  # fmt: skip
+    assert rule.classify("s", retried) == "retry"
+    # the new window starts from the first message: the summary
+    after = main(user("This session is continued... summary"), user("next task"))
+    assert rule.classify("s", after) == "rewrite"
+    later = main(user("This session is continued... summary"), user("next task"), answer("a"))
+    assert rule.classify("s", later) == "append"
+
+
+def test_a_new_window_with_a_new_system_prompt_is_still_a_rewrite() -> None:
+    rule = CompactionRule()
+    rule.classify("s", main(user("a"), answer("b"), user("c")))
+    changed = Window.of([{"role": "system", "content": "other"}, user("summary")], TOOLS)
+    assert rule.classify("s", changed) == "rewrite"
+
+
+def test_masking_an_early_tool_result_is_a_rewrite() -> None:
+    rule = CompactionRule()
+    rule.classify("s", main(user("a"), answer("b"), user("long tool output"), answer("c")))
+    masked = main(user("a"), answer("b"), user("[cleared]"), answer("c"), user("d"))
+    assert rule.classify("s", masked) == "rewrite"
+
+
+def test_sessions_are_apart_and_bounded() -> None:
+    rule = CompactionRule(max_sessions=2)
+    rule.classify("a", main(user("1"), answer("2"), user("3")))
+    rule.classify("b", main(user("x"), answer("y"), user("z")))
+    assert rule.classify("b", main(user("other"))) == "rewrite"
+    rule.classify("c", main(user("q")))  # "a" is the least recently seen: out
+    assert len(rule) == 2
+    assert rule.classify("a", main(user("other"))) == "first"
+    with pytest.raises(ValueError):
+        CompactionRule(max_sessions=0)
+
+
+def codex(kind: str, number: int) -> AgentWindow:
+    return AgentWindow(kind, number)
+
+
+def test_codex_says_it_exactly() -> None:
+    rule = CompactionRule()
+    w0 = main(user("env"), user("q1"))
+    assert rule.classify("t", w0, codex("turn", 0)) == "first"
+    w0b = main(user("env"), user("q1"), answer("a1"), user("q2"))
+    assert rule.classify("t", w0b, codex("turn", 0)) == "append"
+    # the compaction request (no tools) and a prewarm are side branches
+    assert rule.classify("t", Window.of([SYSTEM, user("summarise")], None),
+                         codex("compaction", 0)) == "side"  # fmt: skip
+    assert rule.classify("t", w0b, codex("prewarm", 0)) == "side"
+    # the first turn of window 1 keeps the first item: a rewrite all the same
+    w1 = main(user("env"), user("summary"), user("q3"))
+    assert rule.classify("t", w1, codex("turn", 1)) == "rewrite"
+    # in one window, a turn never releases, whatever its shape
+    assert rule.classify("t", main(user("env"), user("other")), codex("turn", 1)) == "append"
+
+
+def test_codex_headers_are_read_and_malformed_ones_ignored() -> None:
+    meta = '{"request_kind":"compaction","window_number":3,"thread_id":"t"}'
+    assert AgentWindow.from_headers({"x-codex-turn-metadata": meta}) == codex("compaction", 3)
+    by_id = {"x-codex-turn-metadata": '{"request_kind":"turn"}', "x-codex-window-id": "t:2"}
+    assert AgentWindow.from_headers(by_id) == codex("turn", 2)
+    for bad in ({"x-codex-turn-metadata": "{not json"}, {"x-codex-turn-metadata": "[1]"},
+                {"x-codex-window-id": "t:1"}, {}):  # fmt: skip
+        assert AgentWindow.from_headers(bad) is None
+
+
+def test_digests_ignore_cache_marks_and_text_part_lists() -> None:
+    plain = {"role": "user", "content": "hello"}
+    parts = {"role": "user", "content": [{"type": "text", "text": t} for t in ("hel", "lo")]}
+    marked = {"role": "user", "content": [{"type": "text", "text": "hello",
+                                           "cache_control": {"type": "ephemeral"}}]}  # fmt: skip
+    assert digest(plain) == digest(parts) == digest(marked)
+    assert digest(plain) != digest({"role": "assistant", "content": "hello"})
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}
+    assert digest(image) != digest({"role": "user", "content": ""})
+
+
+def test_a_side_branch_shares_its_own_sessions_blocks() -> None:
+    """A side branch holding its session's blocks does not make them shared across sessions:
+    the session can still idle or release them."""
+    assert owner_of(side_branch("s")) == "s" and owner_of("s") == "s"
+    table = SessionBlocks()
+    table.record("s", [1, 2, 3], 96, "r1")
+    table.request_finished("s", "r1")
+    table.record(side_branch("s"), [1, 7], 64, "r2")
+    table.request_finished(side_branch("s"), "r2")
+    table.select_release(side_branch("s"), 0)
+    assert table.select_release("s", 0).block_ids == [1, 2, 3]
+    other = SessionBlocks()
+    other.record("s", [1, 2], 64, "r1")
+    other.record("t", [1, 9], 64, "r2")
+    other.select_release("t", 0)
+    assert other.select_release("s", 0).block_ids == [2]  # 1 was another session's too

@@ -1,0 +1,85 @@
+"""vLLM adapter, API-server side: a coding agent's compactions, told from its own requests.
+
+For each request of a session, the rule of ``core/compaction.py`` gives a verdict on its window
+before vLLM handles it:
+
+- ``side``: the request is bound under the session's side-branch key, so that it never
+  replaces the main thread's blocks in the engine's session table (it still idles on its own);
+- ``rewrite``: the request carries ``kv_rewrite`` to the engine, which, before the request
+  allocates, releases the side branch and the main thread's blocks this window cannot hit;
+- anything else: nothing changes.
+
+The rule's state lives in this API-server process (one digest per message of each session's
+main thread). Requests that carry an ``X-KV-Release`` are the hook's, which releases exactly:
+the rule leaves them alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jiuwen_kv_protocol.headers import CODING_AGENT_HEADERS, RELEASE_HEADER
+
+from .core.compaction import (
+    BRANCH_SEPARATOR,
+    AgentWindow,
+    CompactionRule,
+    Verdict,
+    Window,
+    side_branch,
+)
+from .core.tenants import scoped
+from .engine import REWRITE_KEY
+
+
+def is_agent_request(request: Any, headers: Mapping[str, str]) -> bool:
+    """Whether the request carries a coding agent's own session header or
+    ``prompt_cache_key`` (``VLLM_AFFINITY_INFER_COMPACTION=agents``)."""
+    if getattr(request, "prompt_cache_key", None) or _extra(request).get("prompt_cache_key"):
+        return True
+    return any(headers.get(name) for name in CODING_AGENT_HEADERS)
+
+
+def window_of(request: Any) -> Window | None:
+    """The request's window: a chat request's messages (the Messages API arrives converted to
+    them), a Responses request's instructions and input items; ``None`` for a completion."""
+    messages = getattr(request, "messages", None)
+    if messages is None:
+        items = getattr(request, "input", None)
+        if items is None:
+            return None
+        instructions = getattr(request, "instructions", None)
+        items = [items] if isinstance(items, str) else list(items)
+        messages = [instructions, *items] if instructions else items
+    return Window.of(messages, getattr(request, "tools", None))
+
+
+def apply_compaction_rule(
+    rule: CompactionRule,
+    request: Any,
+    headers: Mapping[str, str],
+    principal: str,
+    named: str,
+    scope: str,
+) -> tuple[str, Verdict | None]:
+    """Judge the request's window; returns the session key it is bound under (the side
+    branch's for a side request) and the verdict (``None``: the rule does not apply)."""
+    if scope == "off" or headers.get(RELEASE_HEADER) is not None or BRANCH_SEPARATOR in named:
+        return named, None
+    if scope == "agents" and not is_agent_request(request, headers):
+        return named, None
+    window = window_of(request)
+    if window is None:
+        return named, None
+    verdict = rule.classify(scoped(principal, named), window, AgentWindow.from_headers(headers))
+    if verdict == "side":
+        request.session_id = side_branch(named)
+        return request.session_id, verdict
+    if verdict == "rewrite" and hasattr(request, "vllm_xargs"):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), REWRITE_KEY: verdict}
+    return named, verdict
+
+
+def _extra(request: Any) -> dict[str, Any]:
+    return getattr(request, "model_extra", None) or {}

@@ -1,0 +1,207 @@
+"""Pure core: compactions told from what coding agents already send, with no hook.
+
+A coding agent that is a binary (Claude Code, the Codex CLI, opencode) never says "release".
+It does say enough to know when its window was rewritten, and this module decides it, per
+session, from two things:
+
+- **What the agent says.** The Codex CLI names its context window (``x-codex-window-id``,
+  ``window_number`` in ``x-codex-turn-metadata``) and each request's kind (``turn``,
+  ``compaction``, ``prewarm``, ``memory``, ...). A ``turn`` in a newer window than the session's
+  last one is a rewrite, exactly; any other kind is a side branch.
+- **The window's shape, where the agent says nothing** (Claude Code and unknown agents). The
+  session's *main thread* is its last window that carried the session's tools; each new window
+  is compared with it message by message:
+
+  - a window without tools, when the main thread has tools, is a **side** branch (Claude
+    Code's per-turn side request): it never moves the main thread;
+  - a window that keeps every message of the main thread is an **append** (a tool loop, a new
+    turn, Claude Code's compaction request itself, which appends its summary instruction);
+  - a window that keeps all but the last message is a **retry** (Claude Code re-sends a changed
+    last user message when an answer had no visible text): the next window decides which one
+    the thread continues, so nothing is released;
+  - anything else drops or changes an earlier message: a **rewrite** (a compaction's new
+    window, a rewind, a masked tool result). The main thread's blocks that the new window
+    cannot hit are dead; so are the side branches'.
+
+Messages are compared as canonical digests: content given as text parts equals the same text
+given as a string, and ``cache_control`` marks (which agents move to the newest message every
+turn) are ignored. Memory: one 8-byte digest per message of each tracked session's main
+thread, at most ``max_sessions`` sessions (least recently seen first out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jiuwen_kv_protocol.headers import CODEX_METADATA_HEADER, CODEX_WINDOW_HEADER
+
+#: ``first``: the session's first window; ``append``, ``retry``: nothing is dead yet;
+#: ``rewrite``: the main thread's old window is dead from where the new one differs;
+#: ``side``: a branch that leaves the main thread as it is.
+Verdict = Literal["first", "append", "retry", "rewrite", "side"]
+VERDICTS: tuple[Verdict, ...] = ("first", "append", "retry", "rewrite", "side")
+
+#: Request kinds of the Codex CLI that continue its main thread.
+CODEX_MAIN_KIND = "turn"
+#: Joins a session and its side branch in the engine's session key: the side branch's blocks
+#: are its own record, so it never replaces the main thread's (a header value cannot hold it).
+BRANCH_SEPARATOR = "\x1f"
+SIDE_BRANCH = "side"
+#: Content part types that are plain text, whatever the API calls them.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+#: Keys that say how to cache a message, not what it says.
+_IGNORED_KEYS = frozenset({"cache_control"})
+
+
+def side_branch(session: str) -> str:
+    """The engine's key for ``session``'s side branch."""
+    return f"{session}{BRANCH_SEPARATOR}{SIDE_BRANCH}"
+
+
+def owner_of(session: str) -> str:
+    """The session a branch key belongs to (a plain session is its own)."""
+    return session.split(BRANCH_SEPARATOR, 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What the rule compares: whether the window carries tools, and its messages' digests."""
+
+    has_tools: bool
+    messages: array[int]
+
+    @classmethod
+    def of(cls, messages: Iterable[Any], tools: Any) -> Window:
+        return cls(bool(tools), array("Q", (digest(m) for m in messages)))
+
+
+@dataclass(frozen=True, slots=True)
+class AgentWindow:
+    """What the Codex CLI says of a request: its kind and its context window's number."""
+
+    kind: str
+    number: int | None
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> AgentWindow | None:
+        """From ``x-codex-turn-metadata`` (JSON) and ``x-codex-window-id`` (``<thread>:<n>``);
+        ``None`` when neither says anything usable (an agent's malformed header is not an
+        error to its call: the shape rule takes over)."""
+        kind, number = None, None
+        raw = headers.get(CODEX_METADATA_HEADER)
+        if raw:
+            try:
+                meta = json.loads(raw)
+            except ValueError:
+                meta = None
+            if isinstance(meta, dict):
+                if isinstance(meta.get("request_kind"), str):
+                    kind = meta["request_kind"]
+                if isinstance(meta.get("window_number"), int):
+                    number = meta["window_number"]
+        window_id = headers.get(CODEX_WINDOW_HEADER) or ""
+        if number is None and window_id.rpartition(":")[2].isdigit():
+            number = int(window_id.rpartition(":")[2])
+        if kind is None:
+            return None
+        return cls(kind, number)
+
+
+def digest(message: Any) -> int:
+    """A message's canonical digest (see the module's docstring)."""
+    text = json.dumps(_canonical(message), sort_keys=True, separators=(",", ":"), default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _canonical(value: Any) -> Any:
+    if hasattr(value, "model_dump"):  # a pydantic item (vLLM's Responses input)
+        value = value.model_dump(exclude_none=True)
+    if isinstance(value, Mapping):
+        return {
+            k: _canonical(v) for k, v in value.items() if k not in _IGNORED_KEYS and v is not None
+        }
+    if isinstance(value, list | tuple):
+        parts = [_canonical(v) for v in value]
+        if parts and all(
+            isinstance(p, dict) and p.get("type") in _TEXT_PARTS and set(p) <= {"type", "text"}
+            for p in parts
+        ):
+            return "".join(str(p.get("text", "")) for p in parts)
+        return parts
+    return value
+
+
+@dataclass(slots=True)
+class _Thread:
+    window: Window
+    number: int | None = None  # the agent's own window number, when it says one
+
+
+class CompactionRule:
+    """Per session, the main thread's last window, and the verdict on each new one."""
+
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        self._threads: OrderedDict[str, _Thread] = OrderedDict()
+        self._max_sessions = max_sessions
+
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    def classify(self, session: str, window: Window, agent: AgentWindow | None = None) -> Verdict:
+        """The verdict on ``session``'s new ``window``; the main thread moves to it unless it
+        is a side branch."""
+        thread = self._threads.get(session)
+        verdict = _by_agent(thread, agent) if agent is not None else _by_shape(thread, window)
+        if verdict != "side":
+            number = agent.number if agent is not None else None
+            if thread is not None and number is None:
+                number = thread.number
+            self._threads[session] = _Thread(window, number)
+        if session in self._threads:
+            self._threads.move_to_end(session)
+        while len(self._threads) > self._max_sessions:
+            self._threads.popitem(last=False)
+        return verdict
+
+    def forget(self, session: str) -> None:
+        self._threads.pop(session, None)
+
+
+def _by_agent(thread: _Thread | None, agent: AgentWindow) -> Verdict:
+    if agent.kind != CODEX_MAIN_KIND:
+        return "side"
+    if thread is None:
+        return "first"
+    if agent.number is not None and thread.number is not None and agent.number > thread.number:
+        return "rewrite"
+    return "append"
+
+
+def _by_shape(thread: _Thread | None, window: Window) -> Verdict:
+    if thread is None:
+        return "first"
+    old = thread.window
+    if old.has_tools and not window.has_tools:
+        return "side"
+    kept = _common_prefix(old.messages, window.messages)
+    if kept == len(old.messages):
+        return "append"
+    if kept >= len(old.messages) - 1:
+        return "retry"
+    return "rewrite"
+
+
+def _common_prefix(a: array[int], b: array[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
