@@ -64,6 +64,24 @@ $(OJ16): $(UV)
 	$(UV_INSTALL) $(OJ16_VENV)/bin/python 'openjiuwen==0.1.16'
 	@touch $@
 
+# The coding agents the server must serve with no hook, as users install them (npm; both carry
+# native binaries). Where npm cannot reach its registry the tests that drive them skip and say so.
+CLAUDE_CODE := 2.1.328
+CODEX_CLI   := 0.169.0
+AGENTS      := .cache/agents/.installed
+LONG_MODEL  := .cache/long-llama/jiuwen-recipe.json
+
+$(AGENTS):
+	@mkdir -p .cache/agents
+	@echo "Installing Claude Code $(CLAUDE_CODE) and the Codex CLI $(CODEX_CLI) from npm ..."
+	@if npm install --silent --no-audit --no-fund --prefix .cache/agents \
+	    @anthropic-ai/claude-code@$(CLAUDE_CODE) @openai/codex@$(CODEX_CLI); then touch $@; \
+	else echo "npm could not install the coding agents: their tests will skip"; fi
+
+# The long-context test model the coding agents need (their first prompt is ~35k tokens).
+$(LONG_MODEL): $(SERVER) vllm_affinity/tiny_model.py
+	$(PY) -m vllm_affinity build-model --size long
+
 # The next vLLM (the GPU users' version) is tested on its Python sources: its wheel, without
 # dependencies or compiled kernels, laid over the CPU environment for the adapter tests.
 VLLM_NEXT     := 0.33.0
@@ -101,10 +119,11 @@ demo: $(MODEL)
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
-## replicas behind nginx), then the llama-index integration in its own virtualenv
+## replicas behind nginx, the real Claude Code and Codex CLI binaries), then the llama-index integration in its own virtualenv
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
-	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LI) $(OJ) $(OJ16) $(VLLM_NEXT_DIR)/.extracted nginx
+	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(AGENTS) $(LI) $(OJ) $(OJ16) \
+		$(VLLM_NEXT_DIR)/.extracted nginx
 	$(MAKE) lint
 	$(PY) -m pytest --durations=25
 	$(MAKE) test-vllm-next
