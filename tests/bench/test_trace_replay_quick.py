@@ -166,3 +166,37 @@ def test_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert f"{bad}:1" in done.stderr and "hash_ids" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_agent_headers_without_a_hook_compute_no_more_than_vanilla(
+    traces: dict[str, Path], empty_plugin_server: VLLMServer, tmp_path: Path
+) -> None:
+    """No hook: each call carries only a coding agent's own session headers, and the server
+    tells the trace's rewrites from the windows (``--agent-headers``), under pool pressure.
+    Vanilla's side is the same server and pool with no session named (the plugin binds
+    nothing: LRU, as vanilla vLLM)."""
+    server = empty_plugin_server
+    before = server.affinity_stats()["api_server"]
+    result = replay(
+        [
+            "--trace", str(traces["agentx"]), "--format", "agentx", "--speed", "0",
+            "--api-key", server.api_key, "--base-url", server.base_url, "--agent-headers",
+        ],
+        tmp_path,
+        "agent_headers",
+        scale="0.5",
+    )  # fmt: skip
+    baseline, hooked, headers = result["runs"]
+    assert baseline["side"] == "no hook" and baseline["simulator"]["policy"] == "lru"
+    assert headers["side"] == "agent headers" and not headers["hooked"]
+    assert headers["errors"] == 0 and headers["calls"] == result["trace"]["requests"]
+    assert headers["computed_tokens"] <= baseline["computed_tokens"], (headers, baseline)
+    assert headers["computed_tokens"] <= hooked["computed_tokens"] * 1.02, (headers, hooked)
+    assert headers["simulator"]["policy"] == "lru_release"
+    assert abs(headers["simulator"]["sim_minus_real"]) <= 0.02, headers["simulator"]
+    # every session's windows were judged from its headers (the hooked run's carry none)
+    after = server.affinity_stats()["api_server"]
+    judged = {v: after.get(f"windows.{v}", 0) - before.get(f"windows.{v}", 0)
+              for v in ("first", "append", "retry", "rewrite")}  # fmt: skip
+    assert judged["first"] == result["trace"]["sessions"], judged
+    assert sum(judged.values()) == headers["calls"], judged

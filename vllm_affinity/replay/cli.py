@@ -78,6 +78,12 @@ def replay_parser() -> argparse.ArgumentParser:
         "--no-ignore-eos", action="store_true",
         help="for servers that refuse vLLM's ignore_eos (outputs may then end early)",
     )  # fmt: skip
+    parser.add_argument(
+        "--agent-headers", action="store_true",
+        help="also replay with no hook, each call carrying a coding agent's own session headers "
+        "(Claude Code's with --api messages, the Codex CLI's thread on chat): the server tells "
+        "compactions from the windows alone",
+    )  # fmt: skip
     parser.add_argument("--no-simulator", action="store_true")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -124,6 +130,8 @@ def replay_main(argv: list[str]) -> int:
             Target("no hook", args.base_url, hooked=False),
             Target("hooked", args.base_url, hooked=True),
         ]
+    if args.agent_headers:
+        targets.append(Target("agent headers", args.base_url, hooked=False, agent_headers=True))
     say(f"trace: {trace.describe()}")
     result = compare(trace, targets, options, args.rounds, simulate_runs=not args.no_simulator)
     write(result, args.out, args.name or f"replay_{args.format}", plot=not args.no_plot)

@@ -53,6 +53,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "side": result.target.name,
         "hooked": result.target.hooked,
+        "agent_headers": result.target.agent_headers,
         "calls": len(result.calls),
         "errors": len(result.calls) - len(ok),
         "prompt_tokens": prompt,
@@ -136,6 +137,8 @@ def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
 
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
+    if summary.get("agent_headers"):
+        return "lru_release"  # the server releases each rewrite it tells from the windows
     if summary.get("engine_state") not in ("in_request", "post"):
         return "lru"  # no plugin answered: vanilla's policy
     lifecycle = options.next_use != "none" or options.end_sessions

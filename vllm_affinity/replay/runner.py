@@ -27,10 +27,17 @@ import openai
 
 import jiuwen_hooks
 from jiuwen_hooks._release import engine_root
+from jiuwen_kv_protocol.headers import (
+    CLAUDE_CODE_AGENT_HEADER,
+    CLAUDE_CODE_SESSION_HEADER,
+    CODEX_PARENT_HEADER,
+    CODEX_THREAD_HEADER,
+    GENERIC_SESSION_HEADERS,
+)
 
 from ..settings import Settings
 from .prompts import WindowBuilder
-from .trace import Trace, next_call_gaps, next_use_hints
+from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 
 #: Seconds to the next call at or above which the plugin counts a session as idle (the plugin's
 #: ``VLLM_AFFINITY_IDLE_AFTER_S`` default).
@@ -44,6 +51,10 @@ class Target:
     name: str
     base_url: str  # ends in /v1
     hooked: bool
+    #: No hook: each call carries a coding agent's own session headers instead (Claude Code's
+    #: on ``/v1/messages``, the Codex CLI's thread on chat), so the server tells compactions
+    #: from the windows alone (``vllm_affinity/core/compaction.py``).
+    agent_headers: bool = False
 
     @property
     def root_url(self) -> str:
@@ -171,6 +182,7 @@ async def _one_message(
     record: CallRecord,
     window: list[dict[str, Any]],
     output_tokens: int,
+    headers: dict[str, str],
 ) -> None:
     """``_one`` on ``/v1/messages``: Anthropic's usage splits the prompt into the part read
     from the cache and the rest (vLLM's ``prompt_tokens`` is their sum)."""
@@ -181,6 +193,7 @@ async def _one_message(
             messages=window,  # type: ignore[arg-type]
             max_tokens=options.max_tokens(output_tokens),
             stream=True,
+            extra_headers=headers or None,
         )
         async for event in stream:
             if record.ttft is None and event.type == "content_block_delta":
@@ -203,6 +216,7 @@ async def _one(
     record: CallRecord,
     window: list[dict[str, Any]],
     output_tokens: int,
+    headers: dict[str, str],
 ) -> None:
     start = time.perf_counter()
     extra_body = {"ignore_eos": True} if options.ignore_eos else None
@@ -214,6 +228,7 @@ async def _one(
             stream=True,
             stream_options={"include_usage": True},
             extra_body=extra_body,
+            extra_headers=headers or None,
         )
         async for chunk in stream:
             if record.ttft is None and chunk.choices:
@@ -225,6 +240,21 @@ async def _one(
                     record.cached_tokens = details.cached_tokens
     except openai.OpenAIError as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def agent_headers(request: TraceRequest, options: ReplayOptions) -> dict[str, str]:
+    """The session headers a coding agent would send for this call: Claude Code's on
+    ``/v1/messages`` (a subagent: its lead's session and its own agent id), the Codex CLI's
+    thread (and parent thread) on chat."""
+    parent = request.parent if options.parents and request.parent != request.session else None
+    if options.api == "messages":
+        if parent:
+            return {CLAUDE_CODE_SESSION_HEADER: parent, CLAUDE_CODE_AGENT_HEADER: request.session}
+        return {CLAUDE_CODE_SESSION_HEADER: request.session}
+    headers = {CODEX_THREAD_HEADER: request.session, GENERIC_SESSION_HEADERS[0]: request.session}
+    if parent:
+        headers[CODEX_PARENT_HEADER] = parent
+    return headers
 
 
 async def _replay(
@@ -274,7 +304,8 @@ async def _replay(
                 stack.enter_context(jiuwen_hooks.session(request.session, parent=parent))
                 if hints[index] is not None:
                     stack.enter_context(jiuwen_hooks.next_use(hints[index]))
-            await send(client, options, record, prompts[index], request.output_tokens)
+            headers = agent_headers(request, options) if target.agent_headers else {}
+            await send(client, options, record, prompts[index], request.output_tokens, headers)
         record.done = time.monotonic() - start
         if target.hooked and options.end_sessions and gaps[index] is None:
             jiuwen_hooks.end_session(request.session)
