@@ -107,7 +107,7 @@ def test_engine_killed_mid_run(crash_server: VLLMServer) -> None:
         failed_stats = hook.stats()
         jiuwen_hooks.uninstall()
         without_hook = call_dead_server(client)
-        jiuwen_hooks.install(in_request=False, timeout=1.0, failure_cooldown=0.5)
+        hook = jiuwen_hooks.install(in_request=False, timeout=1.0, failure_cooldown=0.5)
         with pytest.raises(openai.APIConnectionError), jiuwen_hooks.session("crash-main"):
             # the new hook sees the main window (the call fails: the server is down)
             client.chat.completions.create(model=SERVED_NAME, messages=main, max_tokens=1)
@@ -119,6 +119,7 @@ def test_engine_killed_mid_run(crash_server: VLLMServer) -> None:
         wait_until(lambda: len(agent.completed) >= served + 6, 60, "the agent's calls to resume")
         with jiuwen_hooks.session("crash-main"):  # its release reaches an engine that never saw it
             client.chat.completions.create(model=SERVED_NAME, messages=main[:2], max_tokens=1)
+        hook.flush()  # its POST runs in the background: on a busy machine it may not have yet
         stats = jiuwen_hooks.stats()
     finally:
         agent.stop.set()
