@@ -29,6 +29,7 @@ from .core.compaction import (
     Window,
     side_branch,
 )
+from .core.session_headers import MAX_SESSION_LENGTH
 from .core.tenants import scoped
 from .engine import REWRITE_KEY
 
@@ -36,7 +37,7 @@ from .engine import REWRITE_KEY
 def is_agent_request(request: Any, headers: Mapping[str, str]) -> bool:
     """Whether the request carries a coding agent's own session header or
     ``prompt_cache_key`` (``VLLM_AFFINITY_INFER_COMPACTION=agents``)."""
-    if getattr(request, "prompt_cache_key", None) or _extra(request).get("prompt_cache_key"):
+    if prompt_cache_key(request) is not None:
         return True
     return any(headers.get(name) for name in CODING_AGENT_HEADERS)
 
@@ -81,5 +82,12 @@ def apply_compaction_rule(
     return named, verdict
 
 
-def _extra(request: Any) -> dict[str, Any]:
-    return getattr(request, "model_extra", None) or {}
+def prompt_cache_key(request: Any) -> str | None:
+    """The OpenAI SDK's ``prompt_cache_key`` (a Responses field; kept among a chat request's
+    extra fields): an agent's session, and the last source of a session's name."""
+    key = getattr(request, "prompt_cache_key", None)
+    if key is None:
+        key = (getattr(request, "model_extra", None) or {}).get("prompt_cache_key")
+    if isinstance(key, str) and key.strip() and len(key) <= MAX_SESSION_LENGTH:
+        return key.strip()
+    return None

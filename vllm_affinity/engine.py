@@ -114,21 +114,35 @@ class PoolAffinity:
         self._bound.pop(request_id, None)
         self.sessions.request_finished(session, request_id)
 
-    def release(self, session: str, first_block: int, mode: ReleaseMode = "post") -> EngineRelease:
-        """Release the session's latest blocks from block index ``first_block`` on."""
-        return self._apply(self.sessions.select_release(session, first_block), first_block, mode)
+    def release(
+        self,
+        session: str,
+        first_block: int,
+        mode: ReleaseMode = "post",
+        also: ReleaseSelection | None = None,
+    ) -> EngineRelease:
+        """Release the session's latest blocks from block index ``first_block`` on (and the
+        blocks ``also`` selected, in the same release)."""
+        selection = self.sessions.select_release(session, first_block)
+        return self._apply(selection, first_block, mode, also)
 
     def release_divergent(
-        self, session: str, chain: list[Any], mode: ReleaseMode, require_common_prefix: bool = False
+        self,
+        session: str,
+        chain: list[Any],
+        mode: ReleaseMode,
+        require_common_prefix: bool = False,
+        also: ReleaseSelection | None = None,
     ) -> EngineRelease:
         """Release the session's latest blocks from the first one ``chain`` (a prompt's block
         hashes) cannot hit. ``require_common_prefix``: a chain that shares not even its first
         block with the session's cache is a different prompt (template, salt), not a cut of it:
-        answer ``record_mismatch`` and release nothing."""
+        answer ``record_mismatch`` and release nothing. ``also``: blocks selected elsewhere,
+        released with these."""
         started = time.perf_counter()
         record = self.sessions.latest.get(session)
         if record is None:
-            result = self._apply(ReleaseSelection(status="unknown_session"), 0, mode)
+            result = self._apply(ReleaseSelection(status="unknown_session"), 0, mode, also)
         else:
             first = first_divergent_block(
                 (self._hash_of(block_id) for block_id in record.block_ids), chain
@@ -136,7 +150,7 @@ class PoolAffinity:
             if require_common_prefix and first == 0 and chain:
                 result = self._apply(ReleaseSelection(status="record_mismatch"), 0, mode)
             else:
-                result = self.release(session, first, mode)
+                result = self.release(session, first, mode, also)
             result.prompt_tokens = record.num_prompt_tokens
         # time spent in the engine core on this path (what a hinted request adds to its step)
         self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
@@ -149,16 +163,7 @@ class PoolAffinity:
         shares no block with them: the agent said the old window is gone."""
         side = self.sessions.select_release(side_branch(session), 0)
         self.sessions.forget(side_branch(session))
-        record = self.sessions.latest.get(session)
-        if record is None:
-            return self._apply(ReleaseSelection(status="unknown_session"), 0, "compaction", side)
-        first = first_divergent_block(
-            (self._hash_of(block_id) for block_id in record.block_ids), chain
-        )
-        main = self.sessions.select_release(session, first)
-        result = self._apply(main, first, "compaction", side)
-        result.prompt_tokens = record.num_prompt_tokens
-        return result
+        return self.release_divergent(session, chain, "compaction", also=side)
 
     def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
         """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot

@@ -16,15 +16,11 @@ from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
-from .agent_windows import apply_compaction_rule
+from .agent_windows import apply_compaction_rule, prompt_cache_key
 from .core import HintError, ReleaseHint, engine_rank
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
-from .core.session_headers import (
-    MAX_SESSION_LENGTH,
-    parent_from_headers,
-    session_from_headers,
-)
+from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
 from .engine import HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .lifecycle import watched
@@ -68,17 +64,6 @@ def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]
         and (PARENT_KEY not in (request.vllm_xargs or {}))
     ):
         request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: parent}
-
-
-def prompt_cache_key(request: Any) -> str | None:
-    """The OpenAI SDK's ``prompt_cache_key`` (a Responses field; kept among a chat request's
-    extra fields), the last source of a session's name."""
-    key = getattr(request, "prompt_cache_key", None)
-    if key is None:
-        key = (getattr(request, "model_extra", None) or {}).get("prompt_cache_key")
-    if isinstance(key, str) and key.strip() and len(key) <= MAX_SESSION_LENGTH:
-        return key.strip()
-    return None
 
 
 def strip_reserved_args(request: Any) -> None:

@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 from jiuwen_kv_protocol.headers import CODEX_METADATA_HEADER, CODEX_WINDOW_HEADER
 
+from .tokens import common_prefix_length
+
 #: ``first``: the session's first window; ``append``, ``retry``: nothing is dead yet;
 #: ``rewrite``: the main thread's old window is dead from where the new one differs;
 #: ``side``: a branch that leaves the main thread as it is.
@@ -105,9 +107,9 @@ class AgentWindow:
                     kind = meta["request_kind"]
                 if isinstance(meta.get("window_number"), int):
                     number = meta["window_number"]
-        window_id = headers.get(CODEX_WINDOW_HEADER) or ""
-        if number is None and window_id.rpartition(":")[2].isdigit():
-            number = int(window_id.rpartition(":")[2])
+        suffix = (headers.get(CODEX_WINDOW_HEADER) or "").rpartition(":")[2]
+        if number is None and suffix.isdigit():
+            number = int(suffix)
         if kind is None:
             return None
         return cls(kind, number)
@@ -191,17 +193,9 @@ def _by_shape(thread: _Thread | None, window: Window) -> Verdict:
     old = thread.window
     if old.has_tools and not window.has_tools:
         return "side"
-    kept = _common_prefix(old.messages, window.messages)
+    kept = common_prefix_length(old.messages, window.messages)
     if kept == len(old.messages):
         return "append"
     if kept >= len(old.messages) - 1:
         return "retry"
     return "rewrite"
-
-
-def _common_prefix(a: array[int], b: array[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
