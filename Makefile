@@ -28,7 +28,7 @@ OJ        := $(OJ_VENV)/.installed
 OJ16_VENV := .venv-openjiuwen016
 OJ16      := $(OJ16_VENV)/.installed
 
-.PHONY: nginx demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
+.PHONY: debian-tools demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
 	bench-fleet model clean
 
 $(UV):
@@ -96,16 +96,20 @@ $(VLLM_NEXT_DIR)/.extracted: $(DEV)
 		.cache/wheels/vllm-$(VLLM_NEXT)-*.whl $(VLLM_NEXT_DIR)
 	@touch $@
 
-# nginx (Debian's package) routes sessions to replicas in the scale-out test and benchmark.
-nginx:
-	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+# Debian's packages the tests drive: nginx routes sessions to replicas (the scale-out test and
+# benchmark), tmux runs Claude Code interactively (tests/coding_agents).
+DEBIAN_TOOLS := nginx tmux
+debian-tools:
+	@missing=""; for tool in $(DEBIAN_TOOLS); do \
+	  command -v $$tool >/dev/null || test -x /usr/sbin/$$tool || missing="$$missing $$tool"; done; \
+	[ -z "$$missing" ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "Installing nginx (Debian package) ..."; \
+	    echo "Installing$$missing (Debian packages) ..."; \
 	    export DEBIAN_FRONTEND=noninteractive; \
-	    apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends nginx >/dev/null; }; \
+	    apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $$missing >/dev/null; }; \
 	  else \
-	    echo "nginx is missing: install it (Debian/Ubuntu: sudo apt-get install nginx)"; exit 1; \
+	    echo "missing:$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing)"; exit 1; \
 	  fi; }
 
 $(MODEL): $(SERVER) vllm_affinity/tiny_model.py
@@ -123,7 +127,7 @@ demo: $(MODEL)
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
 	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(AGENTS) $(LI) $(OJ) $(OJ16) \
-		$(VLLM_NEXT_DIR)/.extracted nginx
+		$(VLLM_NEXT_DIR)/.extracted debian-tools
 	$(MAKE) lint
 	$(PY) -m pytest --durations=25
 	$(MAKE) test-vllm-next
@@ -135,7 +139,7 @@ test-vllm-next: $(VLLM_NEXT_DIR)/.extracted
 	PYTHONPATH=$(VLLM_NEXT_DIR) JIUWEN_EXPECT_VLLM=$(VLLM_NEXT) $(PY) -m pytest -q -p no:cacheprovider tests/adapter
 
 ## test-long: the minutes-long runs make test skips (the 150 s soak, two replicas behind nginx)
-test-long: $(MODEL) nginx
+test-long: $(MODEL) debian-tools
 	JIUWEN_LONG=1 $(PY) -m pytest -m long
 
 ## test-bench: the benchmark scripts' own pipeline runs (servers of their own; ~5 minutes)
@@ -143,7 +147,7 @@ test-bench: $(MODEL)
 	JIUWEN_BENCH_PIPELINES=1 $(PY) -m pytest tests/bench
 
 ## test-client: every pure test and the client half (no vLLM needed; nginx for the router tests)
-test-client: $(DEV) nginx lint
+test-client: $(DEV) debian-tools lint
 	$(PY) -m pytest tests/unit tests/client tests/frameworks
 
 lint: $(DEV)
@@ -179,7 +183,7 @@ bench-agents: $(MODEL)
 	$(PY) -m benchmarks.lifecycle_ttft
 
 ## bench-fleet: two replicas behind nginx, by session vs round-robin, with and without release
-bench-fleet: $(MODEL) nginx
+bench-fleet: $(MODEL) debian-tools
 	$(PY) -m benchmarks.fleet_bench
 
 clean:

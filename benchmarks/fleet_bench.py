@@ -9,7 +9,14 @@ front) and replays the same agent trace (``agent_trace.py``) through the router,
 - ``session``: the same routing, no hook (each call sets ``X-Session-ID`` itself), no release;
 - ``round_robin``: nginx round-robin, no release: a session's calls alternate between replicas;
 - ``round_robin+release``: round-robin with the hook: a release reaches the replica of the new
-  call, which often does not hold the session's blocks (``unknown_session``, nothing released).
+  call, which often does not hold the session's blocks (``unknown_session``, nothing released);
+- ``agent_headers``: no hook; each session is named as a coding agent names it (Claude Code's
+  header, the Codex CLI's thread, a gateway's affinity header: ``AGENT_STYLES``), which the
+  printed configuration hashes like ``X-Session-ID``; the plugin tells the compactions from
+  the windows and releases them itself;
+- ``agent_headers+round_robin``: the same calls round-robin (what a router that hashes only
+  ``X-Session-ID`` did with them); ``agent_headers+one_server``: one replica with the whole
+  fleet's KV, behind the same nginx (no prefix cached twice).
 
 Measured per scenario: fleet token hit rate (``/metrics`` deltas summed over replicas), TTFT
 p50/p90, prompt tokens computed, and per replica what the router's access log and the plugin's
@@ -31,6 +38,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +48,12 @@ import openai
 import jiuwen_hooks
 from benchmarks.agent_bench import API_KEY, MAX_TOKENS, Side, say, stream_call, tokenize, trace_of
 from benchmarks.agent_trace import Call, TraceConfig, describe
-from jiuwen_kv_protocol.headers import SESSION_HEADER
+from jiuwen_kv_protocol.headers import (
+    CLAUDE_CODE_SESSION_HEADER,
+    CODEX_THREAD_HEADER,
+    GENERIC_SESSION_HEADERS,
+    SESSION_HEADER,
+)
 from vllm_affinity.nginx import Policy
 from vllm_affinity.replay.output import write_outputs
 from vllm_affinity.replay.simulator import Request, simulate, working_set
@@ -56,6 +69,12 @@ class Scenario:
     #: left to vLLM's balancer.
     policy: Policy | Literal["dp_pinned", "dp_balancer"]
     release: bool
+    #: No hook: each call names its session as a coding agent does (``AGENT_STYLES``), not by
+    #: ``X-Session-ID``; the plugin tells the trace's compactions from the windows.
+    agent_headers: bool = False
+    #: One replica with the whole fleet's KV blocks, behind the same nginx (the bound a fleet
+    #: can reach: no prefix cached twice).
+    one_server: bool = False
 
 
 SCENARIOS = (
@@ -65,7 +84,25 @@ SCENARIOS = (
     Scenario("round_robin+release", "round_robin", True),
     Scenario("dp_pinned+release", "dp_pinned", True),
     Scenario("dp_balancer+release", "dp_balancer", True),
+    Scenario("agent_headers", "session", False, agent_headers=True),
+    Scenario("agent_headers+round_robin", "round_robin", False, agent_headers=True),
+    Scenario("agent_headers+one_server", "session", False, agent_headers=True, one_server=True),
 )
+
+#: How coding agents name a session (``AGENT_STYLES[crc32(session) % 3]``): Claude Code's
+#: header, the Codex CLI's thread and root, a gateway's (and opencode's) affinity header.
+AGENT_STYLES = (
+    (CLAUDE_CODE_SESSION_HEADER,),
+    (CODEX_THREAD_HEADER, GENERIC_SESSION_HEADERS[0]),
+    (GENERIC_SESSION_HEADERS[1],),
+)
+
+
+def session_headers(session: str, agent_style: bool) -> dict[str, str]:
+    """The headers a call of ``session`` names it by (with no hook)."""
+    if not agent_style:
+        return {SESSION_HEADER: session}
+    return dict.fromkeys(AGENT_STYLES[zlib.crc32(session.encode()) % len(AGENT_STYLES)], session)
 
 
 class Fleet:
@@ -216,6 +253,7 @@ def replay(
     release: bool,
     progress: Callable[[int], None] = lambda i: None,
     before_call: Callable[[int, Call], None] = lambda i, c: None,
+    agent_headers: bool = False,
 ) -> dict[str, Any]:
     """Every call through the router in trace order; ``before_call`` runs before each (a test
     kills a replica there). Retries are on (the openai client's default), as in an agent: a
@@ -230,7 +268,7 @@ def replay(
             for index, call in enumerate(calls):
                 before_call(index, call)
                 with jiuwen_hooks.session(call.session) if release else contextlib.nullcontext():
-                    headers = None if release else {SESSION_HEADER: call.session}
+                    headers = None if release else session_headers(call.session, agent_headers)
                     stream_call(client, call, side, headers)
                 progress(index)
         hook_stats = hook.stats() if hook is not None else {}
@@ -291,15 +329,19 @@ def simulated(fleet: Fleet, calls: list[Call], tokens: list[tuple[int, ...]], re
 
 def run_scenario(scenario: Scenario, calls: list[Call], tokens: list[tuple[int, ...]] | None,
                  args: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:  # fmt: skip
-    say(f"{scenario.name}: starting {args.replicas} replicas ({scenario.policy}) ...")
+    replicas = 1 if scenario.one_server else args.replicas
+    say(f"{scenario.name}: starting {replicas} replica(s) ({scenario.policy}) ...")
     blocks, length = sizes["num_blocks"], sizes["max_model_len"]
+    if scenario.one_server:  # the fleet's usable blocks in one pool
+        blocks = (blocks - 1) * args.replicas + 1
     fleet: Fleet | DataParallelServer
     if scenario.policy in ("dp_pinned", "dp_balancer"):
         pinned = scenario.policy == "dp_pinned"
         fleet = DataParallelServer(args.replicas, blocks, length, pinned, args.model_path)
     else:
         policy: Policy = scenario.policy  # type: ignore[assignment]
-        fleet = Fleet(args.replicas, blocks, length, policy, args.model_path, args.ports)
+        ports = args.ports[:replicas]
+        fleet = Fleet(replicas, blocks, length, policy, args.model_path, ports)
     with fleet as f:
 
         def progress(i: int) -> None:
@@ -307,10 +349,16 @@ def run_scenario(scenario: Scenario, calls: list[Call], tokens: list[tuple[int, 
                 say(f"  {scenario.name}: {i + 1}/{len(calls)} calls")
 
         started = time.perf_counter()
-        run = replay(f, calls, scenario.release, progress)
+        run = replay(f, calls, scenario.release, progress, agent_headers=scenario.agent_headers)
         run["wall_s"] = round(time.perf_counter() - started, 1)
-        if tokens is not None and isinstance(f, Fleet) and scenario.name != "round_robin+release":
-            sim = simulated(f, calls, tokens, scenario.release, sizes["num_blocks"] - 1)
+        # round-robin with release: each replica's releases compare with what it saw last,
+        # which the simulator does not model
+        releases_modelled = scenario.policy == "session" or not (
+            scenario.release or scenario.agent_headers
+        )
+        if tokens is not None and isinstance(f, Fleet) and releases_modelled:
+            release = scenario.release or scenario.agent_headers  # the plugin's rule releases
+            sim = simulated(f, calls, tokens, release, blocks - 1)
             run["simulated_hit_rate"] = round(sim, 4)
     say(
         f"{scenario.name}: hit rate {run['hit_rate']}, TTFT p50 {run['ttft_ms_p50']} ms, "

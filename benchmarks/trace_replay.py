@@ -16,7 +16,11 @@ replay`` runs), the simulator beside it:
 - the subagent options of ``lifecycle`` one at a time (the hook names each subagent's parent):
   ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
   ``protect`` (a waiting parent's blocks in the PROTECTED segment, up to a quarter of the pool;
-  off as shipped), ``no-parents`` (neither: the hook names no parent).
+  off as shipped), ``no-parents`` (neither: the hook names no parent);
+- ``agent-headers``: the plugin as shipped and no hook; each call carries a coding agent's own
+  session headers (Claude Code's on ``--api messages``, the Codex CLI's on chat), so the server
+  alone tells compactions from the windows; a call the trace ends with an answer finishes
+  ``stop`` (``runner.ANSWER_STOPS``), so the server reads it as from a real agent (lifecycle).
 
 ``--api messages`` replays through the ``anthropic`` SDK on ``/v1/messages``, as coding agents
 call; the default ``chat`` through the ``openai`` SDK.
@@ -24,6 +28,8 @@ call; the default ``chat`` through the ``openai`` SDK.
     python -m benchmarks.trace_replay --traces agentinfer,mooncake=/path/conversation_trace.jsonl
     python -m benchmarks.trace_replay --traces agentinfer --api messages \
         --scenarios vanilla,lifecycle,child-idle,protect,no-parents --name coding_agents
+    python -m benchmarks.trace_replay --traces agentinfer,project --api messages \
+        --pools 0.1,0.25,0.5 --scenarios vanilla,lifecycle,agent-headers --name agent_headers
     python -m benchmarks.trace_replay --quick        # CI: the synthetic trace in all 4 formats
 
 Output: ``<out>/trace_replay[_quick].json`` and ``.md`` (default ``benchmarks/results``).
@@ -69,6 +75,8 @@ class Scenario:
     next_use: str = "none"  # what the hook tells the plugin of each call's end
     parents: bool = True  # the hook names each subagent's parent
     env: tuple[tuple[str, str], ...] = ()  # more plugin settings
+    #: No hook: each call carries a coding agent's own session headers (``--agent-headers``)
+    agent_headers: bool = False
 
 
 SCENARIOS = (
@@ -85,6 +93,7 @@ SCENARIOS = (
         env=(("VLLM_AFFINITY_PROTECT_SHARE", "0.25"),),
     ),
     Scenario("no-parents", plugin=True, lifecycle=True, next_use="finish", parents=False),
+    Scenario("agent-headers", plugin=True, lifecycle=True, next_use="finish", agent_headers=True),
 )  # fmt: skip
 
 
@@ -113,7 +122,10 @@ def run_scenario(
         plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
         max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
     ) as server:  # fmt: skip
-        target = Target(scenario.name, server.base_url, hooked=scenario.plugin)
+        target = Target(
+            scenario.name, server.base_url, hooked=scenario.plugin and not scenario.agent_headers,
+            agent_headers=scenario.agent_headers,
+        )  # fmt: skip
         result = run(trace, target, options, nonce=1)
         summary = summarize(result)
         check = simulated(trace, options, result, summary, tokens)

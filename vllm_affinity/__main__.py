@@ -61,12 +61,15 @@ def serve(argv: list[str]) -> int:
 
 
 def nginx_config(argv: list[str]) -> int:
+    from .core.session_headers import parse_header_list
     from .nginx import nginx_config as render
+    from .settings import session_headers_from_env
 
     parser = argparse.ArgumentParser(
         prog="python -m vllm_affinity nginx-config",
-        description="Print the nginx http-block configuration that routes each session "
-        "(X-Session-ID) to one plugin replica, by consistent hashing.",
+        description="Print the nginx http-block configuration that routes each session to "
+        "one plugin replica, by consistent hashing of the session the plugin reads from the "
+        "request's headers (VLLM_AFFINITY_SESSION_HEADERS, in its order).",
     )
     parser.add_argument(
         "--upstream", action="append", required=True, metavar="HOST:PORT",
@@ -77,9 +80,19 @@ def nginx_config(argv: list[str]) -> int:
         "--round-robin", action="store_true",
         help="round-robin instead (no session affinity: for comparison only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--session-headers", metavar="NAME,...",
+        help="the headers that name a session, first match wins (default: the server's "
+        "VLLM_AFFINITY_SESSION_HEADERS when set, else its default list)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     policy = "round_robin" if args.round_robin else "session"
-    print(render(args.upstream, args.listen, policy=policy), end="")
+    try:
+        given = args.session_headers
+        headers = parse_header_list(given) if given is not None else session_headers_from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(render(args.upstream, args.listen, policy=policy, session_headers=headers), end="")
     return 0
 
 

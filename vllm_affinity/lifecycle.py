@@ -103,16 +103,27 @@ class IdleSignals:
         self._count = count
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def on_finish(self, session: str, next_use: float | None, named_tool: bool = False) -> OnFinish:
+    def on_finish(
+        self,
+        session: str,
+        next_use: float | None,
+        named_tool: bool = False,
+        side_branch: bool = False,
+    ) -> OnFinish:
         """The callback for one call of ``session`` (with its ``X-KV-Next-Use``, if any).
         ``named_tool``: the request forced a named tool, which vLLM (as OpenAI) reports as
-        ``stop``; it is a tool call all the same."""
+        ``stop``; it is a tool call all the same. ``side_branch``: a coding agent's one-shot
+        side request (a title, a topic check, a compaction summary), idle once it ends however
+        it ended: nothing extends it, and a cut-off answer says nothing of its session."""
 
         def finished(reasons: list[str | None]) -> None:
             if named_tool:
                 reasons = ["tool_calls" if r == "stop" else r for r in reasons]
-            idle = goes_idle(reasons, next_use, self._idle_after)
-            source = "hint" if next_use is not None else "finish_reason"
+            if side_branch and next_use is None:
+                idle, source = True, "side_branch"
+            else:
+                idle = goes_idle(reasons, next_use, self._idle_after)
+                source = "hint" if next_use is not None else "finish_reason"
             self._count(f"{'idle' if idle else 'live'}.{source}")
             if idle:
                 task = asyncio.get_running_loop().create_task(self._send(session))

@@ -1,18 +1,22 @@
 """nginx in front of several plugin replicas, routing each session to one of them.
 
-A session's KV blocks live on the replica that served it, so its chat calls and its releases must
-reach that replica. The hook puts the session in the ``X-Session-ID`` header of both, and nginx's
-consistent hash on that header (``hash $http_x_session_id consistent``, ketama) sends them to the
-same replica; when a replica fails, only its sessions move, each to the next replica on the ring,
-and they come back when it does. Requests without the header (health checks, the hook's
-capability probe) are spread round-robin.
+A session's KV blocks live on the replica that served it, so all of its calls (and the hook's
+releases) must reach that replica. nginx computes the session the plugin would read from a
+request's headers, in the plugin's own order (``VLLM_AFFINITY_SESSION_HEADERS``; the hook's
+``X-Session-ID``, Claude Code's, the Codex CLI's, opencode's: ``core/session_headers.py``), as a
+chain of ``map`` blocks into ``$jiuwen_session``, and hashes it consistently (ketama): when a
+replica fails, only its sessions move, each to the next replica on the ring, and they come back
+when it does. Requests that name no session in a header (health checks, the hook's capability
+probe) get an empty key, which nginx spreads round-robin. A session named only in the body
+(``prompt_cache_key``, a body ``session_id``) is beyond nginx: such agents need a header.
 
     print(nginx_config(["127.0.0.1:8001", "127.0.0.1:8002"], listen=8000))
 
 (``vllm_affinity.testing.NginxRouter`` runs it in front of test servers.)
 
 ``python -m vllm_affinity nginx-config --upstream HOST:PORT ... --listen PORT`` prints the same
-configuration. nginx itself comes from the system (Debian: ``apt-get install nginx``).
+configuration (for the headers of ``VLLM_AFFINITY_SESSION_HEADERS`` when it is set, the
+server's setting). nginx itself comes from the system (Debian: ``apt-get install nginx``).
 """
 
 from __future__ import annotations
@@ -23,15 +27,58 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from jiuwen_kv_protocol.headers import CLAUDE_CODE_AGENT_HEADER, CLAUDE_CODE_SESSION_HEADER
+
+from .core.session_headers import DEFAULT_SESSION_HEADERS
+
 Policy = Literal["session", "round_robin"]
 
 #: One JSON object per request: which replica served which session, and whether the request
 #: carried an in-request release. Tests and benchmarks read it; a deployment may drop it.
 LOG_FORMAT = (
-    'log_format fleet escape=json \'{"session":"$http_x_session_id",'
+    'log_format fleet escape=json \'{"session":"$jiuwen_session",'
     '"upstream":"$upstream_addr","status":"$status","method":"$request_method",'
     '"uri":"$uri","release":"$http_x_kv_release"}\';'
 )
+
+
+#: The variable the chain of ``map`` blocks computes: the session the plugin reads.
+SESSION_VARIABLE = "$jiuwen_session"
+
+
+def header_variable(name: str) -> str:
+    """nginx's variable for a request header: ``X-Session-ID`` → ``$http_x_session_id``."""
+    return "$http_" + name.lower().replace("-", "_")
+
+
+def session_maps(session_headers: Sequence[str] = DEFAULT_SESSION_HEADERS) -> str:
+    """``map`` blocks that set ``$jiuwen_session`` to the first of ``session_headers`` a
+    request carries, as the plugin reads it (``session_from_headers``): a Claude Code
+    subagent's agent id appended to its session; empty when none is there."""
+    if not session_headers:
+        raise ValueError("give at least one session header")
+    agent = "$jiuwen_claude_code_agent"
+    blocks = []
+    if CLAUDE_CODE_SESSION_HEADER.lower() in (n.lower() for n in session_headers):
+        blocks += [
+            f"map {header_variable(CLAUDE_CODE_AGENT_HEADER)} {agent} {{",
+            '    "" "";',
+            f"    default /{header_variable(CLAUDE_CODE_AGENT_HEADER)};",
+            "}",
+        ]
+    for index, name in enumerate(session_headers):
+        here = SESSION_VARIABLE if index == 0 else f"{SESSION_VARIABLE}_{index}"
+        after = f"{SESSION_VARIABLE}_{index + 1}" if index + 1 < len(session_headers) else '""'
+        value = header_variable(name)
+        if name.lower() == CLAUDE_CODE_SESSION_HEADER.lower():
+            value += agent  # a subagent is a session of its own, as on the server
+        blocks += [
+            f"map {header_variable(name)} {here} {{",  # "": the header is absent or empty
+            f'    "" {after};',
+            f"    default {value};",
+            "}",
+        ]
+    return "\n".join(blocks)
 
 
 def _upstream(upstreams: Sequence[str], policy: Policy) -> str:
@@ -39,7 +86,7 @@ def _upstream(upstreams: Sequence[str], policy: Policy) -> str:
         raise ValueError("give at least one upstream replica (host:port)")
     balance = (
         # Ketama consistent hashing: adding or losing a replica moves only its own sessions.
-        ["    hash $http_x_session_id consistent;"] if policy == "session" else []
+        [f"    hash {SESSION_VARIABLE} consistent;"] if policy == "session" else []
     )
     # A replica that refuses a connection is skipped for fail_timeout; the request goes to the
     # next replica (for the session hash: the next one on the ring).
@@ -53,10 +100,11 @@ def nginx_config(
     *,
     policy: Policy = "session",
     access_log: str | None = None,
+    session_headers: Sequence[str] = DEFAULT_SESSION_HEADERS,
 ) -> str:
-    """The ``http`` block's content: the upstream group and a server that proxies everything
-    to it, streaming (no buffering, for time to first token), with long read timeouts (a long
-    prefill on a busy replica)."""
+    """The ``http`` block's content: the session maps, the upstream group and a server that
+    proxies everything to it, streaming (no buffering, for time to first token), with long
+    read timeouts (a long prefill on a busy replica)."""
     log = [LOG_FORMAT, f"access_log {access_log} fleet;"] if access_log else []
     location = [
         "    location / {",
@@ -71,7 +119,8 @@ def nginx_config(
         "    }",
     ]
     server = ["server {", f"    listen {listen};", "    client_max_body_size 64m;", *location, "}"]
-    return "\n".join([_upstream(upstreams, policy), *log, *server]) + "\n"
+    maps = session_maps(session_headers)
+    return "\n".join([maps, _upstream(upstreams, policy), *log, *server]) + "\n"
 
 
 class RouterStartError(RuntimeError):

@@ -135,7 +135,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         apply_cache_sharing(request, settings.allow_cache_sharing)
         apply_session_headers(request, raw_request, settings.session_headers)
         service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
-        session = owner = None
+        session = owner = verdict = None
         if service is not None:
             principal = service.principal_of(raw_request)
             apply_principal(request, principal)
@@ -172,7 +172,9 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             _hint_span(raw_request, hint)
         if settings.lifecycle and session:
             named_tool = not isinstance(getattr(request, "tool_choice", None), str | None)
-            on_finish = service.idle_signals.on_finish(session, next_use, named_tool)
+            on_finish = service.idle_signals.on_finish(
+                session, next_use, named_tool, side_branch=verdict == "side"
+            )
             return watched(wrapped(*args, **kwargs), on_finish)
         return wrapped(*args, **kwargs)
 

@@ -81,7 +81,7 @@ class Settings:
             dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
             max_body_bytes=_positive_int(env, "VLLM_AFFINITY_MAX_BODY_BYTES", 32 * 1024 * 1024),
-            session_headers=_header_list(env, "VLLM_AFFINITY_SESSION_HEADERS"),
+            session_headers=session_headers_from_env(env),
             child_end=_choice(env, "VLLM_AFFINITY_CHILD_END", ("release", "idle"), "release"),
             protect_share=_share(env, "VLLM_AFFINITY_PROTECT_SHARE", 0.0),
             tenant_header=_header_name(env, "VLLM_AFFINITY_TENANT_HEADER"),
@@ -89,6 +89,15 @@ class Settings:
                 env, "VLLM_AFFINITY_INFER_COMPACTION", ("agents", "all", "off"), "agents"
             ),
         )
+
+
+def session_headers_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """``VLLM_AFFINITY_SESSION_HEADERS``, or the default list: the server reads it, and the
+    router configuration it prints (``nginx.py``), so that the two never drift apart."""
+    return _header_list(os.environ if environ is None else environ, SESSION_HEADERS_SETTING)
+
+
+SESSION_HEADERS_SETTING = "VLLM_AFFINITY_SESSION_HEADERS"
 
 
 def _header_name(env: Mapping[str, str], name: str) -> str:

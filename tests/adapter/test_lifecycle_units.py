@@ -132,6 +132,8 @@ def test_idle_signals_send_only_for_idle_sessions_and_never_raise() -> None:
         signals.on_finish("c", 30.0)(["tool_calls"])
         signals.on_finish("broken", None)(["stop"])
         signals.on_finish("named", None, named_tool=True)(["stop"])  # a forced tool call
+        signals.on_finish("side", None, side_branch=True)(["length"])  # one-shot, cut off
+        signals.on_finish("side-hinted", 0.0, side_branch=True)(["stop"])  # the hint decides
         await signals.drain()
 
     asyncio.run(run())
@@ -139,9 +141,11 @@ def test_idle_signals_send_only_for_idle_sessions_and_never_raise() -> None:
         ("affinity_session_idle", "a"),
         ("affinity_session_idle", "c"),
         ("affinity_session_idle", "broken"),
+        ("affinity_session_idle", "side"),
     ]
     outcomes = ["idle.finish_reason", "live.finish_reason", "idle.hint", "idle.finish_reason"]
-    assert counted == [*outcomes, "live.finish_reason", "failed"]
+    outcomes += ["live.finish_reason", "idle.side_branch", "live.hint"]
+    assert counted == [*outcomes, "failed"]
 
 
 def test_a_responses_answer_in_chat_terms() -> None:

@@ -114,7 +114,7 @@ def test_the_cli_prints_the_configuration_nginx_accepts(tmp_path: Path) -> None:
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert printed == nginx_config(upstreams, "127.0.0.1:18000")
-    assert "hash $http_x_session_id consistent;" in printed
+    assert "hash $jiuwen_session consistent;" in printed
     conf = tmp_path / "nginx.conf"
     conf.write_text(
         f"pid {tmp_path}/nginx.pid;\nerror_log {tmp_path}/error.log;\nevents {{}}\n"

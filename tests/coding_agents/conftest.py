@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from vllm_affinity.pytest_plugin import shared_server
-from vllm_affinity.testing import SERVED_NAME, VLLMServer
+from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer
 from vllm_affinity.tiny_model import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +87,8 @@ class ClaudeCode:
     server: VLLMServer
     home: Path
     project: Path
-    session: str = ""
+    session: str = ""  # chosen before the first call, or a new UUID
+    asked: bool = False
 
     def env(self) -> dict[str, str]:
         return {
@@ -113,16 +118,75 @@ class ClaudeCode:
 
     def ask(self, prompt: str) -> dict[str, Any]:
         """One headless call (the session's first, or a resumed one): its JSON result."""
-        if self.session:
+        if self.asked:
             where = ["--resume", self.session]
         else:
-            self.session = str(uuid.uuid4())
+            self.session = self.session or str(uuid.uuid4())
             where = ["--session-id", self.session]
+        self.asked = True
         cmd = [str(self.binary), "-p", prompt, *where, "--output-format", "json"]
         cmd += ["--tools", "Bash,Read,Edit"]  # three tools keep its prompt (and CPU prefill) short
         result = json.loads(_run(cmd, self.env(), self.project, timeout=600))
         assert not result.get("is_error"), result
         return result
+
+
+#: Claude Code's input prompt, on screen once it waits for the user.
+PROMPT = "\u276f"
+
+
+@dataclass
+class InteractiveClaudeCode(ClaudeCode):
+    """Claude Code as a person runs it: interactive, in a tmux window of its own (a tmux server
+    of its own, killed at the end), typed into and read from the screen. Interactively it sends
+    a side request (no tools) beside each turn's main one."""
+
+    socket: str = ""
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True)
+        assert done.returncode == 0, f"tmux {args[0]}: {done.stderr}"
+        return done.stdout
+
+    def start(self) -> InteractiveClaudeCode:
+        self.socket = f"agents-{uuid.uuid4().hex[:8]}"
+        env = self.env()
+        env.pop("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC")  # it turns the side requests off
+        env["TERM"] = "xterm-256color"
+        command = [str(self.binary), "--tools", "Bash,Read,Edit"]
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        self.tmux(
+            "new-session", "-d", "-s", "agent", "-x", "160", "-y", "50", "-c", str(self.project),
+            f"env -i {exports} {shlex.join(command)}",
+        )  # fmt: skip
+        self.wait_for(lambda screen: PROMPT in screen, "its prompt")
+        return self
+
+    def stop(self) -> None:
+        if self.socket:
+            subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "agent", "-S", "-200")
+
+    def wait_for(self, ready: Callable[[str], bool], what: str, timeout: float = 300) -> str:
+        """The screen, once ``ready`` holds for it and Claude Code is not working."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if ready(screen) and "esc to interrupt" not in screen:
+                return screen
+            time.sleep(0.5)
+        raise AssertionError(f"Claude Code did not show {what} in {timeout:.0f} s:\n{screen}")
+
+    def type(self, line: str, shown: str) -> str:
+        """Types ``line`` and Enter; the screen once it shows ``shown`` once more than before."""
+        count = self.screen().count(shown)
+        self.tmux("send-keys", "-t", "agent", "-l", line)
+        self.tmux("send-keys", "-t", "agent", "Enter")
+        screen = self.wait_for(lambda now: now.count(shown) > count, repr(shown))
+        assert "API Error" not in screen, screen
+        return screen
 
 
 @dataclass
@@ -187,10 +251,38 @@ def claude_code(agents_server: VLLMServer, tmp_path: Path) -> ClaudeCode:
 
 
 @pytest.fixture
+def interactive_claude_code(
+    agents_server: VLLMServer, tmp_path: Path
+) -> Iterator[InteractiveClaudeCode]:
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: `make debian-tools` installs it")
+    home = tmp_path / "home"
+    home.mkdir()
+    agent = InteractiveClaudeCode(installed("claude"), agents_server, home, tmp_path / "project")
+    agent.setup()
+    try:
+        yield agent.start()
+    finally:
+        agent.stop()
+
+
+@pytest.fixture
 def codex_cli(agents_server: VLLMServer, tmp_path: Path) -> CodexCli:
     home = tmp_path / "home"
     home.mkdir()
     return CodexCli(installed("codex"), agents_server, home, tmp_path / "project").setup()
+
+
+def quiet(server: VLLMServer, timeout: float = 60) -> None:
+    """Until the server has no request running or waiting (a side request may still be under
+    way when the screen shows the answer)."""
+    deadline, calm = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline and calm < 3:
+        busy = server.metric("vllm:num_requests_running") + server.metric(
+            "vllm:num_requests_waiting"
+        )
+        calm = 0 if busy else calm + 1
+        time.sleep(0.3)
 
 
 @pytest.fixture
@@ -205,3 +297,63 @@ def watch(agents_server: VLLMServer) -> Callable[[], Delta]:
         return delta
 
     return step
+
+
+#: The paths of model calls (not the probes of ``AgentsFleet.place``).
+MODEL_PATHS = ("/v1/messages", "/v1/responses", "/v1/chat/completions")
+
+
+@dataclass
+class AgentsFleet:
+    """Two plugin replicas of the ``long`` model behind the printed nginx configuration: the
+    shared ``agents_server`` and one of the fleet's own (which a test may kill)."""
+
+    replicas: list[VLLMServer]
+    router: NginxRouter
+
+    def replica_of(self, upstream: str) -> int:
+        return next(i for i, r in enumerate(self.replicas) if upstream.endswith(f":{r.port}"))
+
+    def place(self, headers: dict[str, str]) -> int:
+        """The replica nginx sends a request with these headers to (a ``/v1/models`` probe)."""
+        httpx.get(self.router.base_url + "/models", headers=headers, timeout=30).raise_for_status()
+        return self.replica_of(self.router.routed()[-1].upstream)
+
+    def served(self) -> dict[str, set[int]]:
+        """Session (the key nginx hashed) → the replicas that served its model calls."""
+        out: dict[str, set[int]] = {}
+        for routed in self.router.routed():
+            if routed.session and routed.uri in MODEL_PATHS:
+                out.setdefault(routed.session, set()).add(self.replica_of(routed.upstream))
+        return out
+
+
+@pytest.fixture
+def agents_fleet(agents_server: VLLMServer) -> Iterator[AgentsFleet]:
+    second = VLLMServer(
+        model=build(size="long"), plugin=True, num_blocks=3072, max_model_len=65536, eager=True
+    )
+    with second, NginxRouter([f"127.0.0.1:{agents_server.port}", f"127.0.0.1:{second.port}"]) as r:
+        yield AgentsFleet([agents_server, second], r)
+
+
+class _Routed:
+    """A server seen through the router: what an agent is pointed at."""
+
+    def __init__(self, router: NginxRouter) -> None:
+        self.root_url = router.root_url
+        self.base_url = router.base_url
+
+
+def claude_code_via(router: NginxRouter, tmp_path: Path, name: str) -> ClaudeCode:
+    home = tmp_path / name / "home"
+    home.mkdir(parents=True)
+    via: Any = _Routed(router)
+    return ClaudeCode(installed("claude"), via, home, tmp_path / name / "project").setup()
+
+
+def codex_via(router: NginxRouter, tmp_path: Path, name: str) -> CodexCli:
+    home = tmp_path / name / "home"
+    home.mkdir(parents=True)
+    via: Any = _Routed(router)
+    return CodexCli(installed("codex"), via, home, tmp_path / name / "project").setup()

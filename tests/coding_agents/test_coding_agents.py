@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .conftest import ClaudeCode, CodexCli, Delta
+from vllm_affinity.testing import VLLMServer
+
+from .conftest import ClaudeCode, CodexCli, Delta, InteractiveClaudeCode, quiet
 
 
 def released(delta: Delta) -> int:
@@ -42,6 +44,45 @@ def test_claude_code_compact_releases_the_old_window_and_nothing_else(
     kept = window["input_tokens"] + window["cache_read_input_tokens"]
     kept += window["cache_creation_input_tokens"]
     assert later["usage"]["cache_read_input_tokens"] >= kept - 64, (window, later["usage"])
+
+
+def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
+    interactive_claude_code: InteractiveClaudeCode,
+    agents_server: VLLMServer,
+    watch: Callable[[], Delta],
+) -> None:
+    agent = interactive_claude_code
+    watch()
+    agent.type("first question about the weather", "summary ok.")
+    agent.type("second question about the plan", "summary ok.")
+    quiet(agents_server)
+    turns = watch()
+    assert turns["windows.side"] >= 1  # each turn's side request (no tools), bound apart
+    assert turns["windows.rewrite"] == 0 and turns["releases"] == 0, turns.after
+
+    agent.type("/compact", "Compacted")
+    quiet(agents_server)
+    compact = watch()
+    assert released(compact) == 0 and compact["releases"] == 0
+
+    agent.type("third question after compaction", "summary ok.")
+    quiet(agents_server)
+    rewrite = watch()
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert released(rewrite) > 50, rewrite.after
+
+    hits = agents_server.metric("vllm:prefix_cache_hits_total")
+    queries = agents_server.metric("vllm:prefix_cache_queries_total")
+    agent.type("fourth question", "summary ok.")
+    quiet(agents_server)
+    plain = watch()
+    assert released(plain) == 0 and plain["releases"] == 0
+    # both of the turn's requests read nearly all of their prompts from the cache
+    hit = agents_server.metric("vllm:prefix_cache_hits_total") - hits
+    assert hit >= 0.9 * (agents_server.metric("vllm:prefix_cache_queries_total") - queries)
+    # the side requests went idle when they ended (their answers are cut off: no finish
+    # signal), and the main thread after its answer: nothing of the session is left in NORMAL
+    assert plain.after["segment.normal"] * 10 < plain.after["segment.idle"], plain.after
 
 
 def test_codex_compaction_releases_the_old_window_and_nothing_else(

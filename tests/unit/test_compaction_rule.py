@@ -55,6 +55,17 @@ def test_claude_code_session_turns_side_requests_compaction_and_retry() -> None:
     assert rule.classify("s", later) == "append"
 
 
+def test_a_side_request_before_the_first_main_window_releases_nothing() -> None:
+    """Interactive Claude Code sends a turn's side request (no tools) beside its main one; the
+    side request may reach the server first."""
+    rule = CompactionRule()
+    side = Window.of([{"role": "system", "content": "Is this a new topic?"}, user("x")], None)
+    assert rule.classify("s", side) == "first"
+    assert rule.classify("s", main(user("fix the bug"))) == "first"  # the main thread starts
+    assert rule.classify("s", side) == "side"
+    assert rule.classify("s", main(user("fix the bug"), answer("ok"), user("go"))) == "append"
+
+
 def test_a_new_window_with_a_new_system_prompt_is_still_a_rewrite() -> None:
     rule = CompactionRule()
     rule.classify("s", main(user("a"), answer("b"), user("c")))

@@ -193,6 +193,8 @@ def _by_shape(thread: _Thread | None, window: Window) -> Verdict:
     old = thread.window
     if old.has_tools and not window.has_tools:
         return "side"
+    if window.has_tools and not old.has_tools:
+        return "first"  # the main thread starts: what came before it was a side branch
     kept = common_prefix_length(old.messages, window.messages)
     if kept == len(old.messages):
         return "append"

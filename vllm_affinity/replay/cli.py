@@ -82,7 +82,8 @@ def replay_parser() -> argparse.ArgumentParser:
         "--agent-headers", action="store_true",
         help="also replay with no hook, each call carrying a coding agent's own session headers "
         "(Claude Code's with --api messages, the Codex CLI's thread on chat): the server tells "
-        "compactions from the windows alone",
+        "compactions from the windows alone; with --next-use finish, a call the trace ends "
+        "with an answer finishes 'stop', so the server reads it as an answer",
     )  # fmt: skip
     parser.add_argument("--no-simulator", action="store_true")
     parser.add_argument("--no-plot", action="store_true")

@@ -137,8 +137,9 @@ def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
 
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
-    if summary.get("agent_headers"):
-        return "lru_release"  # the server releases each rewrite it tells from the windows
+    if summary.get("agent_headers"):  # the server tells rewrites from the windows, and
+        # with ``next_use`` reads answers from how calls finish (``ANSWER_STOPS``)
+        return "lifecycle" if options.next_use != "none" else "lru_release"
     if summary.get("engine_state") not in ("in_request", "post"):
         return "lru"  # no plugin answered: vanilla's policy
     lifecycle = options.next_use != "none" or options.end_sessions

@@ -43,6 +43,12 @@ from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 #: ``VLLM_AFFINITY_IDLE_AFTER_S`` default).
 IDLE_AFTER_S = Settings.idle_after
 
+#: A replayed call is cut at its token budget (``length``), which tells the server nothing of
+#: how the call ended. With no hook, a call that the trace (``next_use``) ends with an answer
+#: stops at the first of these strings instead: nine in ten of a small random model's tokens
+#: hold one, so it finishes ``stop``, and the server reads an answer, as from a real agent's.
+ANSWER_STOPS = [" ", "e", "a", "o"]
+
 
 @dataclass(frozen=True)
 class Target:
@@ -183,6 +189,7 @@ async def _one_message(
     window: list[dict[str, Any]],
     output_tokens: int,
     headers: dict[str, str],
+    answer: bool = False,
 ) -> None:
     """``_one`` on ``/v1/messages``: Anthropic's usage splits the prompt into the part read
     from the cache and the rest (vLLM's ``prompt_tokens`` is their sum)."""
@@ -192,6 +199,7 @@ async def _one_message(
             model=options.model,
             messages=window,  # type: ignore[arg-type]
             max_tokens=options.max_tokens(output_tokens),
+            stop_sequences=ANSWER_STOPS if answer else anthropic.omit,
             stream=True,
             extra_headers=headers or None,
         )
@@ -217,7 +225,9 @@ async def _one(
     window: list[dict[str, Any]],
     output_tokens: int,
     headers: dict[str, str],
+    answer: bool = False,
 ) -> None:
+    """One streamed chat call; ``answer``: stop at ``ANSWER_STOPS`` (finish ``stop``)."""
     start = time.perf_counter()
     extra_body = {"ignore_eos": True} if options.ignore_eos else None
     try:
@@ -225,6 +235,7 @@ async def _one(
             model=options.model,
             messages=window,  # type: ignore[arg-type]
             max_tokens=options.max_tokens(output_tokens),
+            stop=ANSWER_STOPS if answer else openai.omit,
             stream=True,
             stream_options={"include_usage": True},
             extra_body=extra_body,
@@ -305,7 +316,10 @@ async def _replay(
                 if hints[index] is not None:
                     stack.enter_context(jiuwen_hooks.next_use(hints[index]))
             headers = agent_headers(request, options) if target.agent_headers else {}
-            await send(client, options, record, prompts[index], request.output_tokens, headers)
+            answer = target.agent_headers and (hints[index] or 0.0) >= IDLE_AFTER_S
+            await send(
+                client, options, record, prompts[index], request.output_tokens, headers, answer
+            )
         record.done = time.monotonic() - start
         if target.hooked and options.end_sessions and gaps[index] is None:
             jiuwen_hooks.end_session(request.session)
@@ -328,7 +342,8 @@ async def _replay(
     try:
         if options.speed <= 0:
             for index in range(len(requests)):
-                idle = target.hooked and (hints[index] or 0.0) >= IDLE_AFTER_S
+                told = target.hooked or target.agent_headers
+                idle = told and (hints[index] or 0.0) >= IDLE_AFTER_S
                 before = await _idles(stats) if idle else None
                 await call(index)
                 if before is not None:  # one call at a time: let the idle land, as modelled
