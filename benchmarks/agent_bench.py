@@ -13,7 +13,7 @@ The two sides alternate which goes first, call by call.
 
 Measured per side: token hit rate (``/metrics`` deltas), TTFT p50/p90/p99 (first streamed
 chunk), prompt tokens actually computed, end-to-end time. The offline simulator
-(``vllm_affinity/replay/simulator.py``) replays the same tokens under infinite cache, LRU,
+(``jiuwen_replay/simulator.py``) replays the same tokens under infinite cache, LRU,
 LRU + release and Belady, and its LRU is compared with the real vanilla hit rate.
 
     python -m benchmarks.agent_bench                       # full sweep (~15 min on 2 cores)
@@ -42,8 +42,8 @@ import openai
 
 import jiuwen_hooks
 from benchmarks.agent_trace import Call, TraceConfig, describe, generate
-from vllm_affinity.replay.output import write_outputs
-from vllm_affinity.replay.simulator import Request, gap_closed, simulate, working_set
+from jiuwen_replay.output import write_outputs
+from jiuwen_replay.simulator import Request, gap_closed, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
 from vllm_affinity.tiny_model import build as build_model
 

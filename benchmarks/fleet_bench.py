@@ -54,9 +54,9 @@ from jiuwen_kv_protocol.headers import (
     GENERIC_SESSION_HEADERS,
     SESSION_HEADER,
 )
+from jiuwen_replay.output import write_outputs
+from jiuwen_replay.simulator import Request, simulate, working_set
 from vllm_affinity.nginx import Policy
-from vllm_affinity.replay.output import write_outputs
-from vllm_affinity.replay.simulator import Request, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, NginxRouter, VLLMServer, free_port
 from vllm_affinity.tiny_model import build as build_model
 

@@ -23,10 +23,10 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_affinity.replay.formats import FORMATS, agentinfer_trace_path, read_trace
-from vllm_affinity.replay.output import write_outputs
-from vllm_affinity.replay.simulator import Request, simulate, working_set
-from vllm_affinity.replay.trace import Trace, TraceRequest
+from jiuwen_replay.formats import FORMATS, agentinfer_trace_path, read_trace
+from jiuwen_replay.output import write_outputs
+from jiuwen_replay.simulator import Request, simulate, working_set
+from jiuwen_replay.trace import Trace, TraceRequest
 
 ROUTES = ("own session", "lead's session")
 

@@ -25,7 +25,7 @@ import openai
 import jiuwen_hooks
 from jiuwen_hooks._context import ModelCall
 from jiuwen_hooks.testing import LocalEngine
-from vllm_affinity.replay.output import write_json
+from jiuwen_replay.output import write_json
 
 APIS = ("chat", "responses", "messages")
 

@@ -60,8 +60,8 @@ from benchmarks.agent_bench import (
 )
 from benchmarks.agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
 from jiuwen_kv_protocol.headers import NEXT_USE_HEADER
-from vllm_affinity.replay.output import named, write_outputs
-from vllm_affinity.replay.simulator import Request, simulate, working_set
+from jiuwen_replay.output import named, write_outputs
+from jiuwen_replay.simulator import Request, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
 

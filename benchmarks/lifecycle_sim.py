@@ -3,7 +3,7 @@ closes, on the ordered agent trace and on timed traces (tool calls of seconds, u
 seconds: ``agent_trace.Timing``).
 
 Every window is tokenised with vLLM's own renderer (``/tokenize`` of a real server), then
-``vllm_affinity.replay.simulator.simulate`` replays the trace under every policy at several pool
+``jiuwen_replay.simulator.simulate`` replays the trace under every policy at several pool
 sizes (fractions of the trace's working set). ``lifecycle`` is what the plugin runs (its IDLE
 segment); ``benchmarks/lifecycle_replay.py`` checks the simulator against real servers.
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from benchmarks.agent_bench import API_KEY, MAX_TOKENS, say, tokenize
 from benchmarks.agent_trace import Call, Timing, TraceConfig, describe, generate, generate_timed
-from vllm_affinity.replay.output import write_outputs
-from vllm_affinity.replay.simulator import (
+from jiuwen_replay.output import write_outputs
+from jiuwen_replay.simulator import (
     ORACLES,
     POLICIES,
     Request,

@@ -24,8 +24,8 @@ import jiuwen_hooks
 from benchmarks.agent_bench import API_KEY, MAX_TOKENS, percentile, prefix_counters, say, tokenize
 from benchmarks.agent_trace import Timing, TraceConfig, generate_timed
 from benchmarks.lifecycle_replay import SCENARIOS, Replayer
-from vllm_affinity.replay.output import write_outputs
-from vllm_affinity.replay.simulator import Request, working_set
+from jiuwen_replay.output import write_outputs
+from jiuwen_replay.simulator import Request, working_set
 from vllm_affinity.testing import BLOCK_SIZE, VLLMServer
 
 SIDES = tuple(s for s in SCENARIOS if s.name in ("release", "lifecycle"))

@@ -28,8 +28,8 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, FreeKVCacheBlockQueue, KVCacheBlock
 
+from jiuwen_replay.output import write_json
 from vllm_affinity.core import SegmentedFreeBlockQueue
-from vllm_affinity.replay.output import write_json
 
 Op = tuple[str, Any]
 

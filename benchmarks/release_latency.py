@@ -31,7 +31,7 @@ import httpx
 import openai
 
 from jiuwen_kv_protocol.headers import RELEASE_HEADER, RELEASE_PATH, SESSION_HEADER
-from vllm_affinity.replay.output import write_json
+from jiuwen_replay.output import write_json
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 TARGETS = {"1k": 1_000, "8k": 8_000, "32k": 31_000}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.server_throughput import VARIANTS, one_round
-from vllm_affinity.replay.output import write_json
+from jiuwen_replay.output import write_json
 from vllm_affinity.testing import VLLMServer
 
 PROCESSES = {"engine_core": "VLLM::EngineCore", "worker": "VLLM::Worker", "api_server": "-m"}

@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
+from jiuwen_replay.output import write_json
 from vllm_affinity.core import SessionBlocks
-from vllm_affinity.replay.output import write_json
 from vllm_affinity.settings import Settings
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import openai
 
 from jiuwen_kv_protocol.headers import SESSION_HEADER
-from vllm_affinity.replay.output import write_json
+from jiuwen_replay.output import write_json
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 

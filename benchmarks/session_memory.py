@@ -18,7 +18,7 @@ from typing import Any
 
 from jiuwen_hooks._diff import ReleasePolicy, Window, canonical_window
 from jiuwen_hooks._sessions import SessionTable
-from vllm_affinity.replay.output import write_json
+from jiuwen_replay.output import write_json
 
 
 def agent_window(session: int, messages: int) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 For each trace (``--traces format=path,...``; ``agentinfer`` alone takes the installed package's
 trace), the prompts are rendered once by vLLM's own template to size the pools (fractions of
 the trace's working set, ``--pools``); then for each pool every scenario gets a fresh server of
-that size and replays the trace with ``vllm_affinity.replay`` (what ``vllm-affinity bench
+that size and replays the trace with ``jiuwen_replay`` (what ``vllm-affinity bench
 replay`` runs), the simulator beside it:
 
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agent_trace import TraceConfig, generate_timed
-from vllm_affinity.replay.compare import say, simulated, summarize, tokenize
-from vllm_affinity.replay.formats import (
+from jiuwen_replay.compare import say, simulated, summarize, tokenize
+from jiuwen_replay.formats import (
     FORMATS,
     WRITERS,
     agentinfer_trace_path,
@@ -56,11 +56,11 @@ from vllm_affinity.replay.formats import (
     write_agentx,
     write_project,
 )
-from vllm_affinity.replay.output import named, write_outputs
-from vllm_affinity.replay.runner import ReplayOptions, Target, run, windows
-from vllm_affinity.replay.simulator import Request, working_set
-from vllm_affinity.replay.synthetic import SyntheticConfig, generate
-from vllm_affinity.replay.trace import Trace, TraceRequest
+from jiuwen_replay.output import named, write_outputs
+from jiuwen_replay.runner import ReplayOptions, Target, run, windows
+from jiuwen_replay.simulator import Request, working_set
+from jiuwen_replay.synthetic import SyntheticConfig, generate
+from jiuwen_replay.trace import Trace, TraceRequest
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
 
 API_KEY = "bench"

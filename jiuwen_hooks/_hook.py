@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from jiuwen_kv_protocol.headers import engine_root
 from jiuwen_kv_protocol.hint import ReleaseHint
 
 from . import _state
@@ -41,7 +42,7 @@ from ._diff import Release, ReleasePolicy, Window
 from ._engines import EngineDirectory, EngineState
 from ._options import Options
 from ._patch import Patches, resolve
-from ._release import EngineTarget, ReleaseClient, engine_root, release_attributes
+from ._release import EngineTarget, ReleaseClient, release_attributes
 from ._sdk import SDKS, async_request_wrapper, caller_list_wrapper, request_wrapper
 from ._sessions import CompressorJob, ReleasePlan, SessionTable
 from ._telemetry import Outcome, RateLimitedWarnings, Telemetry, log_triggered

@@ -67,12 +67,6 @@ class EngineTarget:
     salted: bool = False
 
 
-def engine_root(base_url: str) -> str:
-    """``http://host:8000/v1/`` → ``http://host:8000`` (the release route is not under /v1)."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
 def release_payload(plan: ReleasePlan) -> dict[str, Any]:
     old, release = plan.old, plan.release
     body: dict[str, Any] = {

@@ -17,6 +17,14 @@ RELEASE_PATH = "/release_kv_cache"
 #: What the plugin advertises; vanilla servers answer 404.
 CAPABILITIES_PATH = "/affinity/capabilities"
 
+
+def engine_root(base_url: str) -> str:
+    """``http://host:8000/v1/`` → ``http://host:8000``: the root the paths above are under
+    (an OpenAI SDK's base URL ends in ``/v1``)."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 #: Session headers that coding agents send on their own (read by the plugin, never sent by the
 #: hook): Claude Code's session and, for its subagents, agent id; two generic spellings.
 CLAUDE_CODE_SESSION_HEADER = "X-Claude-Code-Session-Id"

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["nginx-config"]:
         return nginx_config(argv[1:])
     if argv[:1] == ["bench"]:
-        from .replay.cli import main as bench_main
+        from jiuwen_replay.cli import main as bench_main
 
         return bench_main(argv[1:])
     print(USAGE)

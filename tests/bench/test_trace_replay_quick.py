@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_affinity.replay.cli import main
-from vllm_affinity.replay.formats import FORMATS, WRITERS
-from vllm_affinity.replay.synthetic import SyntheticConfig, generate
+from jiuwen_replay.cli import main
+from jiuwen_replay.formats import FORMATS, WRITERS
+from jiuwen_replay.synthetic import SyntheticConfig, generate
 from vllm_affinity.testing import VLLMServer
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
 """Every committed benchmark result says what produced it: ``meta`` holds the command, the git
-commit, the library versions and the CPU (``vllm_affinity.replay.output.run_metadata``)."""
+commit, the library versions and the CPU (``jiuwen_replay.output.run_metadata``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trace readers, writers and prompt synthesis of ``vllm_affinity.replay`` (pure: no server)."""
+"""The trace readers, writers and prompt synthesis of ``jiuwen_replay`` (pure: no server)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 from jiuwen_hooks._diff import Window, canonical_window, diff_windows
-from vllm_affinity.replay.formats import (
+from jiuwen_replay.formats import (
     FORMATS,
     WRITERS,
     TraceFormatError,
     read_trace,
 )
-from vllm_affinity.replay.prompts import WindowBuilder
-from vllm_affinity.replay.synthetic import SyntheticConfig, generate
-from vllm_affinity.replay.trace import (
+from jiuwen_replay.prompts import WindowBuilder
+from jiuwen_replay.synthetic import SyntheticConfig, generate
+from jiuwen_replay.trace import (
     LONG_IDLE_S,
     Trace,
     TraceRequest,

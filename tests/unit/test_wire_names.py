@@ -12,7 +12,7 @@ import pytest
 from jiuwen_kv_protocol import headers
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("jiuwen_hooks", "vllm_affinity", "examples", "benchmarks")
+FOLDERS = ("jiuwen_hooks", "vllm_affinity", "jiuwen_replay", "examples", "benchmarks")
 #: Every header, path and span name (exact case; header names also lower-cased).
 NAMES = {
     value

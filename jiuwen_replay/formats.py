@@ -34,7 +34,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..core import common_prefix_length
+from vllm_affinity.core import common_prefix_length
+
 from .trace import Trace, TraceRequest
 
 FORMATS = ("project", "agentx", "mooncake", "agentinfer")

@@ -26,16 +26,16 @@ import httpx
 import openai
 
 import jiuwen_hooks
-from jiuwen_hooks._release import engine_root
 from jiuwen_kv_protocol.headers import (
     CLAUDE_CODE_AGENT_HEADER,
     CLAUDE_CODE_SESSION_HEADER,
     CODEX_PARENT_HEADER,
     CODEX_THREAD_HEADER,
     GENERIC_SESSION_HEADERS,
+    engine_root,
 )
+from vllm_affinity.settings import Settings
 
-from ..settings import Settings
 from .prompts import WindowBuilder
 from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 
