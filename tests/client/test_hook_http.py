@@ -229,9 +229,10 @@ def test_session_resolver(
     assert released(jiuwen_engine) == [("u-7", 1, None)]
 
 
-def test_end_session_releases_the_whole_window_once(
+def test_end_session_releases_the_window_after_its_instructions_once(
     call: Caller, jiuwen_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook
 ) -> None:
+    """The system prompt (and tools) stay: the agent's next sessions send them again."""
     window = system_and_user(3)
     call(window)
     call([*window, {"role": "user", "content": "more"}])
@@ -239,7 +240,8 @@ def test_end_session_releases_the_whole_window_once(
     jiuwen_hook.flush()
     (release,) = jiuwen_engine.releases
     assert release.body["messages"] == [*window, {"role": "user", "content": "more"}]
-    assert release.body["messages_released_index"] == 0
+    assert release.body["messages_released_index"] == 1  # after the system message
+    assert "tools_released_index" not in release.body  # the tools stay too
     assert release.headers["x-session-id"] == "s"
     # ended: a second end, or an unknown session, sends nothing
     jiuwen_hooks.end_session("s")
@@ -268,7 +270,7 @@ def test_a_session_block_can_be_the_whole_session(
     jiuwen_hook.flush()
     (release,) = jiuwen_engine.releases
     assert release.headers["x-session-id"] == "task"
-    assert release.body["messages_released_index"] == 0
+    assert release.body["messages_released_index"] == 1  # the system prompt stays
     assert jiuwen_hook.stats()["end_session.released"] == 1
 
 

@@ -17,6 +17,7 @@ from jiuwen_hooks._diff import (
     canonical_message,
     canonical_window,
     diff_windows,
+    head_length,
 )
 
 
@@ -157,3 +158,13 @@ def test_mutation_at_k_releases_at_k(old: list[str], k: int) -> None:
     new = list(old)
     new[k] = "changed"
     assert diff_windows(W(*old), W(*new)) == Release(k, None, "rewrite")
+
+
+def test_head_length_counts_the_leading_instructions() -> None:
+    system = {"role": "system", "content": "s"}
+    user = {"role": "user", "content": "u"}
+    assert head_length(Window((system, {"role": "developer", "content": "d"}, user))) == 2
+    assert head_length(Window((user, system))) == 0
+    assert head_length(Window(({"instructions": "i"}, user), api="responses")) == 1
+    assert head_length(Window(({"system": "s"}, user))) == 1  # an Anthropic window
+    assert head_length(Window(())) == 0
