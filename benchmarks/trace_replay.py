@@ -214,7 +214,8 @@ def traces(spec: str, args: argparse.Namespace, workdir: Path) -> list[Trace]:
         if fmt not in FORMATS:
             raise SystemExit(f"unknown format {fmt!r}; expected one of {FORMATS}")
         trace = read_trace(path or agentinfer_trace_path(), fmt)
-        out.append(trace.head(args.limit) if args.limit else trace)
+        trace = trace.head(args.limit) if args.limit else trace
+        out.append(trace.copies(args.copies, args.stagger))
     return out
 
 
@@ -234,8 +235,8 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "",
         "| trace | calls | pool | scenario | hit rate | simulator | infinite / Belady "
-        "| computed tokens | vs vanilla | TTFT p50 / p90 (ms) | releases |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| computed tokens | vs vanilla | TTFT p50 / p90 / p99 (ms) | calls/s | releases |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["traces"]:
         t = row["trace"]
@@ -251,7 +252,8 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {sim.get('infinite', float('nan')):.3f} / "
                     f"{sim.get('belady', float('nan')):.3f} "
                     f"| {s['computed_tokens']:,} | {ratio} "
-                    f"| {s['ttft_ms_p50']:.0f} / {s['ttft_ms_p90']:.0f} "
+                    f"| {s['ttft_ms_p50']:.0f} / {s['ttft_ms_p90']:.0f} / "
+                    f"{s['ttft_ms_p99']:.0f} | {s.get('calls_per_s') or '-'} "
                     f"| {rel.get('total', '-')} |"
                 )
     return "\n".join(lines) + "\n"
@@ -265,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", type=float, default=0.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--limit", type=int, help="the first N calls of each trace")
+    parser.add_argument(
+        "--copies", type=int, default=1,
+        help="N copies of every session, content of their own (tenants: Trace.copies)",
+    )  # fmt: skip
+    parser.add_argument("--stagger", type=float, default=0.0, help="trace seconds between copies")
     parser.add_argument("--cores", default="0", help="the model worker's cores")
     parser.add_argument("--api", choices=("chat", "messages"), default="chat")
     parser.add_argument(

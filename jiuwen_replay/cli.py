@@ -55,6 +55,15 @@ def replay_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=_positive(int), default=64)
     parser.add_argument("--max-output-tokens", type=_positive(int), default=None)
     parser.add_argument("--limit", type=_positive(int), help="replay the first N calls only")
+    parser.add_argument(
+        "--copies", type=_positive(int), default=1,
+        help="N copies of every session, each with content of its own (tenants): many sessions "
+        "in flight over one pool; with --speed, calls overlap as on a busy server",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stagger", type=float, default=0.0,
+        help="seconds (trace time) between the starts of successive copies",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=_positive(int), default=1)
     parser.add_argument(
         "--next-use", choices=SIGNALS, default="none",
@@ -107,6 +116,7 @@ def replay_main(argv: list[str]) -> int:
         return 2
     if args.limit:
         trace = trace.head(args.limit)
+    trace = trace.copies(args.copies, args.stagger)
     options = ReplayOptions(
         model=args.model,
         api_key=args.api_key,

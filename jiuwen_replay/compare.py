@@ -69,6 +69,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "session_s_p50": round(percentile(completion, 50) or 0.0, 2),
         "session_s_p90": round(percentile(completion, 90) or 0.0, 2),
         "wall_s": round(result.wall_s, 1),
+        "calls_per_s": round(len(ok) / result.wall_s, 2) if result.wall_s else None,
     }
     if result.target.hooked:
         summary["engine_state"] = hook.get("engine_state")

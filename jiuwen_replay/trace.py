@@ -84,6 +84,27 @@ class Trace:
         notes = {**self.notes, "first_calls_of": len(self.requests)}  # notes: the whole file
         return Trace(self.format, self.block_tokens, self.requests[:limit], self.source, notes)
 
+    def copies(self, count: int, stagger_s: float = 0.0) -> Trace:
+        """``count`` copies of every session, each copy with content of its own (no block
+        shared across copies: tenants) and started ``stagger_s`` seconds after the previous
+        copy, merged in time order: many sessions in flight over one pool, as on a busy
+        server."""
+        if count < 1:
+            raise ValueError(f"copies must be at least 1, got {count}")
+        if count == 1:
+            return self
+        copied = []
+        for k in range(count):
+            ids: dict[int, int] = {}
+            for r in self.requests:
+                blocks = tuple(ids.setdefault(b, len(ids) * count + k) for b in r.blocks)
+                parent = f"{r.parent}~{k}" if r.parent is not None else None
+                copied.append(TraceRequest(f"{r.session}~{k}", r.at + k * stagger_s, blocks,
+                                           r.output_tokens, parent, r.input_tokens))  # fmt: skip
+        copied.sort(key=lambda r: r.at)
+        notes = {**self.notes, "copies": count, "stagger_s": stagger_s}
+        return Trace(self.format, self.block_tokens, tuple(copied), self.source, notes)
+
 
 def transitions(requests: Iterable[TraceRequest]) -> list[Transition]:
     """How each request's prompt relates to its session's previous one."""

@@ -205,3 +205,27 @@ def test_next_use_hints_by_signal() -> None:
     assert next_use_hints(trace, "finish", 10.0) == [0.0, 0.0, LONG_IDLE_S, 60.0, 0.0, LONG_IDLE_S]
     with pytest.raises(ValueError, match="unknown signal"):
         next_use_hints(trace, "sometimes", 10.0)
+
+
+def test_copies_are_sessions_of_their_own_with_content_of_their_own() -> None:
+    trace = Trace(
+        "project", 32,
+        (TraceRequest("lead", 0.0, (1, 2), 4), TraceRequest("sub", 1.0, (1, 3), 4, parent="lead"),
+         TraceRequest("lead", 2.0, (1, 2, 4), 4)),
+    )  # fmt: skip
+    copied = trace.copies(3, stagger_s=0.5)
+    assert len(copied.requests) == 9 and copied.notes["copies"] == 3
+    assert [r.at for r in copied.requests] == sorted(r.at for r in copied.requests)
+    by_copy: dict[str, list[TraceRequest]] = {}
+    for request in copied.requests:
+        by_copy.setdefault(request.session.rpartition("~")[2], []).append(request)
+    blocks = [{b for r in rs for b in r.blocks} for rs in by_copy.values()]
+    assert len(blocks) == 3 and all(not a & b for a in blocks for b in blocks if a is not b)
+    for requests in by_copy.values():  # within a copy, the trace's sharing is kept
+        lead, sub, later = requests
+        assert lead.blocks[0] == sub.blocks[0] and later.blocks[:2] == lead.blocks
+        assert sub.parent == lead.session
+    assert copied.requests[1].at == 0.5  # the second copy starts half a second later
+    assert trace.copies(1) is trace
+    with pytest.raises(ValueError, match="at least 1"):
+        trace.copies(0)
