@@ -106,9 +106,11 @@ SCENARIOS = (
 )  # fmt: skip
 
 
-def render(trace: Trace, options: ReplayOptions) -> list[tuple[int, ...]]:
+def render(trace: Trace, options: ReplayOptions, model: str | None) -> list[tuple[int, ...]]:
     """Every prompt's tokens, as vLLM renders them (``/tokenize``)."""
-    with VLLMServer(plugin=False, num_blocks=1025, api_key=API_KEY, max_model_len=32768) as server:
+    with VLLMServer(
+        model=model, plugin=False, num_blocks=1025, api_key=API_KEY, max_model_len=32768
+    ) as server:
         tokens = tokenize(server.root_url, options, windows(trace, options, nonce=0))
     assert tokens is not None, "the server did not tokenize"
     return tokens
@@ -121,6 +123,7 @@ def run_scenario(
     options: ReplayOptions,
     tokens: list[tuple[int, ...]],
     cores: str,
+    model: str | None = None,
 ) -> dict[str, Any]:
     env = {
         "VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false",
@@ -129,7 +132,7 @@ def run_scenario(
     options = dataclasses.replace(options, next_use=scenario.next_use, parents=scenario.parents)
     launcher, extra = (agentinfer_launcher(), AGENTINFER_ARGS) if scenario.peer else (None, ())
     with VLLMServer(
-        plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
+        model=model, plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
         max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
         launcher=launcher, extra_args=extra,
     ) as server:  # fmt: skip
@@ -159,7 +162,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         api=args.api, end_sessions=args.end_sessions,
     )  # fmt: skip
     say(f"{trace.format}: {trace.describe()}")
-    tokens = render(trace, options)
+    tokens = render(trace, options, args.model)
     requests = [Request(r.session, t) for r, t in zip(trace.requests, tokens, strict=True)]
     working = working_set(requests, BLOCK_SIZE)
     longest = max(-(-(len(t) + MAX_OUTPUT) // BLOCK_SIZE) for t in tokens)
@@ -174,7 +177,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
         for scenario in scenarios(args.scenarios):
             pool["scenarios"][scenario.name] = run_scenario(
-                trace, scenario, blocks, options, tokens, args.cores
+                trace, scenario, blocks, options, tokens, args.cores, args.model
             )
         row["pools"].append(pool)
     return row
@@ -273,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--stagger", type=float, default=0.0, help="trace seconds between copies")
     parser.add_argument("--cores", default="0", help="the model worker's cores")
+    parser.add_argument(
+        "--model", help="the model every server serves (default: the small local test model; "
+        "on a GPU machine a real one: benchmarks/compare_all.py)",
+    )  # fmt: skip
     parser.add_argument("--api", choices=("chat", "messages"), default="chat")
     parser.add_argument(
         "--end-sessions", action="store_true",

@@ -200,3 +200,28 @@ def test_agent_headers_without_a_hook_compute_no_more_than_vanilla(
               for v in ("first", "append", "retry", "rewrite")}  # fmt: skip
     assert judged["first"] == result["trace"]["sessions"], judged
     assert sum(judged.values()) == headers["calls"], judged
+
+
+@pytest.mark.parametrize("fmt", ["agentinfer", "agentx"])
+def test_ending_sessions_computes_no_more_than_vanilla(
+    fmt: str, traces: dict[str, Path], empty_plugin_server: VLLMServer, tmp_path: Path
+) -> None:
+    """The quick form of "never worse": the hook ends every session after its last call and
+    tells the plugin how each call ended, under pool pressure, and computes no more prompt
+    tokens than the same calls with no session named on the same pool (LRU, as vanilla)."""
+    server = empty_plugin_server
+    result = replay(
+        [
+            "--trace", str(traces[fmt]), "--format", fmt, "--speed", "0",
+            "--api-key", server.api_key, "--base-url", server.base_url,
+            "--next-use", "finish", "--end-sessions",
+        ],
+        tmp_path,
+        f"ends_{fmt}",
+        scale="0.5",
+    )  # fmt: skip
+    baseline, hooked = result["runs"]
+    assert baseline["side"] == "no hook" and hooked["side"] == "hooked"
+    assert hooked["simulator"]["infinite"] > hooked["simulator"]["belady"]  # under pressure
+    assert hooked["errors"] == baseline["errors"] == 0
+    assert hooked["computed_tokens"] <= baseline["computed_tokens"], (hooked, baseline)
