@@ -14,6 +14,8 @@ session, from two things:
 
   - a window without tools, when the main thread has tools, is a **side** branch (Claude
     Code's per-turn side request): it never moves the main thread;
+  - a window with tools, when the main thread has none, is the **first** of the main thread:
+    what came before was a side branch that reached the server first (nothing released);
   - a window that keeps every message of the main thread is an **append** (a tool loop, a new
     turn, Claude Code's compaction request itself, which appends its summary instruction);
   - a window that keeps all but the last message is a **retry** (Claude Code re-sends a changed
