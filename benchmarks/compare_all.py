@@ -9,7 +9,7 @@ On a GPU machine (a real model in a local folder; ``make peer-agentinfer`` for t
 
 Here, on CPU with the small local model (the default), a reduced grid:
 
-    python -m benchmarks.compare_all --pools 0.35 --scale 0.015625 --speed 16
+    python -m benchmarks.compare_all --pools 0.35 --scale 0.015625 --speed 16 --limit 200
 
 Each cell is ``benchmarks/trace_replay.py`` (a fresh server per scenario, the simulator beside
 each run); its results are kept as ``<out>/compare_<ends>_<clock>.{json,md}``, and the report
@@ -57,6 +57,8 @@ def run_cell(args: argparse.Namespace, stem: str, ends: bool, speed: float,
         argv.append("--end-sessions")
     if args.model:
         argv += ["--model", args.model]
+    if args.limit:
+        argv += ["--limit", str(args.limit)]
     if trace_replay.main(argv) != 0:
         raise SystemExit(f"{stem}: trace_replay failed")
     return json.loads((Path(args.out) / f"{stem}.json").read_text())
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1 / 16)
     parser.add_argument("--speed", type=float, default=16.0, help="the clocked runs' speed-up")
     parser.add_argument("--model", help="a real model's folder (default: the small test model)")
+    parser.add_argument("--limit", type=int, help="the first N calls of the trace only")
     parser.add_argument("--out", default="benchmarks/results/compare")
     args = parser.parse_args(argv)
     scenarios = list(SCENARIOS)
