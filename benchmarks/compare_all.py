@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import trace_replay
-from benchmarks.peers import AGENTINFER_VENV
+from benchmarks.peers import AGENTINFER_VENV, agentinfer_trace
 
 SCENARIOS = ("vanilla", "lifecycle", "agent-headers", "agentinfer")
 LABELS = {
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="the first N calls of the trace only")
     parser.add_argument("--out", default="benchmarks/results/compare")
     args = parser.parse_args(argv)
+    if args.traces == "agentinfer" and (trace := agentinfer_trace()) is not None:
+        args.traces = f"agentinfer={trace}"  # the package is in the peer's virtualenv
     scenarios = list(SCENARIOS)
     notes = []
     if not (AGENTINFER_VENV / "bin" / "python").exists():

@@ -39,3 +39,11 @@ def agentinfer_launcher() -> list[str]:
     if not python.exists():
         raise PeerMissing(f"AgentInfer is not installed in {AGENTINFER_VENV}: make peer-agentinfer")
     return [str(python), "-c", _AGENTINFER_MAIN, "serve"]
+
+
+def agentinfer_trace() -> Path | None:
+    """The Claude Code trace AgentInfer ships, from the peer's virtualenv (the main one need not
+    have the package), or ``None``."""
+    found = sorted(AGENTINFER_VENV.glob("lib/python*/site-packages/agentinfer/agentbench/data/"
+                                        "agentinfer_trace_requests.jsonl"))  # fmt: skip
+    return found[0] if found else None
