@@ -4,10 +4,8 @@ releases reach one replica; losing a replica moves only its sessions; round-robi
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -19,15 +17,6 @@ from vllm_affinity.nginx import find_nginx, nginx_config
 from vllm_affinity.testing import NginxRouter
 
 SESSIONS = [f"agent-{i}" for i in range(24)]
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LocalEngine]]:
-    started = [LocalEngine(in_request=True).start() for _ in range(3)]
-    yield started
-    for engine in started:
-        with contextlib.suppress(OSError):
-            engine.stop()
 
 
 def _upstreams(engines: list[LocalEngine]) -> list[str]:

@@ -5,13 +5,10 @@ lost replica moves only its own sessions."""
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
 from jiuwen_hooks.testing import LocalEngine
 from jiuwen_kv_protocol.headers import (
@@ -74,15 +71,6 @@ def agent_sessions() -> list[AgentSession]:
         out.append(AgentSession("/v1/chat/completions", child))
         out.append(AgentSession("/v1/chat/completions", {AFFINITY: f"gateway-{i}"}))
     return out
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LocalEngine]]:
-    started = [LocalEngine().start() for _ in range(3)]
-    yield started
-    for engine in started:
-        with contextlib.suppress(OSError):
-            engine.stop()
 
 
 def _upstreams(engines: list[LocalEngine]) -> list[str]:
