@@ -57,7 +57,12 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     agent.type("second question about the plan", "summary ok.")
     quiet(agents_server)
     turns = watch()
-    assert turns["windows.side"] >= 1  # each turn's side request (no tools), bound apart
+    # the side request is the session-title request (no tools, a JSON schema); Claude Code
+    # repeats it each turn until one answer parses as a title, which with a random model may
+    # happen on the first turn. Whichever of the first turn's two requests came first, both are
+    # bound apart (first and side, or first twice) and nothing is rewritten or released.
+    assert turns["windows.first"] + turns["windows.side"] >= 2, turns.after
+    assert turns["windows.append"] >= 1, turns.after
     assert turns["windows.rewrite"] == 0 and turns["releases"] == 0, turns.after
 
     agent.type("/compact", "Compacted")
