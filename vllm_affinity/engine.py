@@ -65,8 +65,10 @@ PRINCIPAL_KEY = "kv_principal"
 #: Key of a compaction the API server told from the agent's own requests
 #: (``core/compaction.py``): the request's window rewrote its session's main thread.
 REWRITE_KEY = "kv_rewrite"
+#: Key of a subagent's instruction length in tokens (``instructions.py``): its end keeps them.
+HEAD_KEY = "kv_head"
 #: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
-RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY)
+RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY, HEAD_KEY)
 
 _applied = False
 
@@ -191,14 +193,17 @@ class PoolAffinity:
 
         A subagent (a session that named a parent) has ended its task instead: its parent stops
         waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own blocks are released
-        as dead (what other sessions have hit is kept: ``core/sessions.py``)."""
+        as dead after its instructions, which the agent's next subagents send again (and what
+        other sessions have hit is kept: ``core/sessions.py``)."""
         self.counters.add("idles", 1)  # every signal, applied or not (a replay waits on it)
         if self.subagents.parent_of(session) is not None:
+            head = self.subagents.head_of(session)
             self._apply_family(self.subagents.ended(session))
             self.counters.add("children_ended", 1)
             record = self.sessions.latest.get(session)
             if self._child_end == "release" and record is not None and record.request_id is None:
-                result = self.release(session, 0, "child_end")
+                result = self.release(session, head, "child_end")
+                self.counters.add("blocks_kept_instructions", min(head, len(record.block_ids)))
                 return EngineIdle(
                     status=result.status, blocks_idled=0, kept_shared=result.kept_shared
                 )
@@ -282,7 +287,8 @@ class PoolAffinity:
         if parent:
             parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)
         if parent or self.subagents.waiting(session):
-            self._apply_family(self.subagents.call(session, parent))
+            head = int(extra.get(HEAD_KEY) or 0) // self.pool.hash_block_size
+            self._apply_family(self.subagents.call(session, parent, head))
         if REWRITE_KEY in extra:
             self.release_rewritten(session, request.block_hashes)
         elif HINT_KEY in extra:

@@ -32,6 +32,7 @@ from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseReques
 from .core.compaction import CompactionRule
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
+from .instructions import Instructions
 from .lifecycle import IdleSignals
 from .metrics import AffinityMetrics
 from .settings import Settings
@@ -77,12 +78,17 @@ class ReleaseService:
     idle_signals: IdleSignals = field(init=False)
     #: Coding agents' main threads, for their compactions (``agent_windows.py``).
     compaction: CompactionRule = field(init=False)
+    #: Subagents' instruction lengths, which their end keeps (``instructions.py``).
+    instructions: Instructions = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle_signals = IdleSignals(
             self.call_engines, self.settings.idle_after, self.metrics.count_lifecycle
         )
         self.compaction = CompactionRule(self.settings.max_sessions)
+        self.instructions = Instructions(
+            self.serving_chat, self.serving_responses, self.settings.max_sessions
+        )
 
     # -- request handling ---------------------------------------------------------------------
     async def handle(self, raw: Request) -> JSONResponse:

@@ -22,7 +22,7 @@ from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
-from .engine import HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
+from .engine import HEAD_KEY, HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .lifecycle import watched
 from .release_service import ReleaseService, service_of
 from .settings import Settings
@@ -170,13 +170,16 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         if hint is not None:
             count_hint("accepted")
             _hint_span(raw_request, hint)
+        call = wrapped(*args, **kwargs)  # not started: the request may still change
+        if session and settings.child_end == "release" and _names_parent(request):
+            call = with_instructions(service, session, request, call)
         if settings.lifecycle and session:
             named_tool = not isinstance(getattr(request, "tool_choice", None), str | None)
             on_finish = service.idle_signals.on_finish(
                 session, next_use, named_tool, side_branch=verdict == "side"
             )
-            return watched(wrapped(*args, **kwargs), on_finish)
-        return wrapped(*args, **kwargs)
+            return watched(call, on_finish)
+        return call
 
     def session_rank(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         """A rank the client or router chose (``X-data-parallel-rank``) wins; else the
@@ -209,6 +212,19 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
     wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
     wrapt.wrap_function_wrapper(OpenAIServingResponses, "create_responses", before)
     _wrapped_serving = True
+
+
+def _names_parent(request: Any) -> bool:
+    return PARENT_KEY in (getattr(request, "vllm_xargs", None) or {})
+
+
+async def with_instructions(service: ReleaseService, session: str, request: Any, call: Any) -> Any:
+    """A subagent's request tells the engine how many of its leading tokens are instructions
+    (``instructions.py``), which its end keeps; then vLLM handles it."""
+    tokens = await service.instructions.tokens(session, request)
+    if tokens:
+        request.vllm_xargs = {**(request.vllm_xargs or {}), HEAD_KEY: tokens}
+    return await call
 
 
 def read_next_use(raw_request: Any) -> float | None:

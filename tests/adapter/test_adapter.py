@@ -266,6 +266,30 @@ def test_a_parent_waiting_on_its_subagent_keeps_its_prefix_within_the_cap() -> N
     assert_no_leak(manager)
 
 
+def test_a_subagents_end_keeps_its_instructions_for_the_next_subagent() -> None:
+    """The API server told the engine that the subagent's first 2 blocks (plus a few tokens)
+    are its instructions: its end releases the other 5 and keeps those, which the next
+    subagent of the agent hits; without the length, everything went to RELEASED."""
+    manager = make_manager(13)
+    state = state_of(manager)
+    extra = {"kv_parent": "lead", "kv_head": 2 * BLOCK + 3}
+    params = SamplingParams(max_tokens=8, extra_args=extra)
+    child = make_request(tokens(900, 7), session="sub", sampling_params=params)
+    state.on_new_request(child, release_on_divergence=False)
+    run_prefill(manager, child)
+    manager.free(child)
+    ended = state.idle_session("sub")
+    assert ended.status == "ok"
+    stats = state.stats()
+    assert stats.block_released_child_end == 5 and stats.blocks_kept_instructions == 2
+    assert state.queue.segment_sizes()["released"] == 5
+    # the next subagent (same instructions, its own task) after pressure that takes all but 2 blocks
+    run_prefill(manager, make_request(tokens(2000, 10), session="other"))
+    following = make_request(tokens(900, 2) + tokens(3000, 2), session="sub-2")
+    assert manager.get_computed_blocks(following)[1] == 2 * BLOCK
+    assert state.check(idle=False) == []
+
+
 def test_without_a_parent_lru_takes_the_older_lead() -> None:
     """Control for the test above."""
     manager, child, lead_hits, other_hits = lead_and_subagent(parent=None)

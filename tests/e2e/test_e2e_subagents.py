@@ -16,6 +16,7 @@ import pytest
 
 import jiuwen_hooks
 from vllm_affinity.testing import (
+    BLOCK_SIZE,
     SERVED_NAME,
     VLLMServer,
     filler_text,
@@ -94,3 +95,50 @@ def test_claude_code_headers_make_a_subagent_on_messages(vllm_affinity_server: V
     after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
     assert after.get("children_ended", 0) > before.get("children_ended", 0)
     assert after["segments"]["protected"] == 0
+
+
+def test_a_subagents_end_keeps_its_instructions(vllm_affinity_server: VLLMServer) -> None:
+    """No hook, Claude Code's headers: the subagent's end releases its own blocks after its
+    system prompt and tools, which the agent's next subagents send again."""
+    server = vllm_affinity_server
+    system = filler_text(random.Random(621), 120)
+    tools = [
+        {
+            "name": "read_file",
+            "description": filler_text(random.Random(622), 40),
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+        }
+    ]
+    lead = {"X-Claude-Code-Session-Id": "cc-e2e-instructions", NEXT_USE: "0"}
+    sub = {**lead, "X-Claude-Code-Agent-Id": "agent-9"}
+    before = server.engine_stats()
+    with anthropic.Anthropic(
+        base_url=server.root_url, auth_token=server.api_key, max_retries=0
+    ) as sdk:
+
+        def call(text: str, headers: dict[str, str] | None) -> int:
+            answer = sdk.messages.create(
+                model=SERVED_NAME,
+                system=system,
+                tools=tools,  # type: ignore[arg-type]
+                messages=[{"role": "user", "content": text}],
+                max_tokens=2,
+                extra_headers=headers,
+            )
+            usage = answer.usage
+            cached = (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+            return usage.input_tokens + cached
+
+        # the instructions and a one-word message, in no session: how long they render
+        instructions = call("Alpha", None)
+        call(filler_text(random.Random(623), 60), lead)
+        call(filler_text(random.Random(624), 150), sub)
+        call(filler_text(random.Random(625), 150), {**sub, NEXT_USE: "60"})  # its task is done
+    after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
+
+    def delta(name: str) -> int:
+        return int(after.get(name, 0) - before.get(name, 0))
+
+    kept, released = delta("blocks_kept_instructions"), delta("block_released_child_end")
+    assert (instructions - 8) // BLOCK_SIZE <= kept <= instructions // BLOCK_SIZE, (kept, after)
+    assert kept >= 4 and released >= 8  # 120 words of instructions; 150 of the task's own

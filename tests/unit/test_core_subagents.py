@@ -76,3 +76,18 @@ class FamilyMachine(RuleBasedStateMachine):
 
 TestFamilyMachine = FamilyMachine.TestCase
 TestFamilyMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+def test_a_childs_instruction_length_lives_while_it_runs() -> None:
+    table = Subagents(max_children=2)
+    table.call("a", "lead", head=3)
+    table.call("a", "lead")  # a later call that did not say: the length stays
+    table.call("b", "lead", head=5)
+    assert (table.head_of("a"), table.head_of("b"), table.head_of("lead")) == (3, 5, 0)
+    table.ended("a")
+    assert table.head_of("a") == 0 and table.check() == []
+    table.call("c", "lead2", head=1)
+    table.call("d", "lead2", head=1)  # over the bound: b, the oldest, goes with its length
+    assert table.head_of("b") == 0 and table.check() == []
+    table.call("lead2", None)  # the parent called again: its children are gone
+    assert table.head_of("c") == table.head_of("d") == 0 and table.check() == []

@@ -10,6 +10,9 @@ A child is *running* from its first call until a call of it ends its task (``sto
 ``end_turn``); a child that never says so (it crashed, its client left) is dropped when its
 parent calls again. Both tables are bounded: at most ``max_children`` children are tracked,
 least recently started first out.
+
+Each running child also keeps how many of its leading blocks are its instructions (system
+prompt and tools, which the agent's next subagents send again): its end releases after them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Subagents:
     max_children: int = 100_000
     _parent_of: OrderedDict[str, str] = field(default_factory=OrderedDict)  # child → parent
     _children: dict[str, set[str]] = field(default_factory=dict)  # parent → running children
+    _head_of: dict[str, int] = field(default_factory=dict)  # child → its instruction blocks
 
     def __post_init__(self) -> None:
         if self.max_children < 1:
@@ -44,12 +48,17 @@ class Subagents:
     def parent_of(self, child: str) -> str | None:
         return self._parent_of.get(child)
 
+    def head_of(self, child: str) -> int:
+        """Leading blocks of a running child that are its instructions (0: unknown)."""
+        return self._head_of.get(child, 0)
+
     def waiting(self, parent: str) -> bool:
         """Whether ``parent`` has running children (its blocks are protected)."""
         return parent in self._children
 
-    def call(self, session: str, parent: str | None) -> FamilyChange:
-        """A call of ``session`` (naming its ``parent``, if it has one) entered the engine."""
+    def call(self, session: str, parent: str | None, head: int = 0) -> FamilyChange:
+        """A call of ``session`` (naming its ``parent``, if it has one, and its instructions'
+        length in blocks, if known) entered the engine."""
         unprotect = list(self._parent_back(session))
         if not parent or parent == session:
             return FamilyChange(unprotect=tuple(unprotect))
@@ -58,6 +67,8 @@ class Subagents:
             unprotect += self.ended(session).unprotect  # the same name under another parent
         self._parent_of[session] = parent
         self._parent_of.move_to_end(session)
+        if head > 0:
+            self._head_of[session] = head
         children = self._children.setdefault(parent, set())
         first = not children
         children.add(session)
@@ -68,6 +79,7 @@ class Subagents:
     def ended(self, child: str) -> FamilyChange:
         """``child`` ended its task; its parent is let go of when it was the last one."""
         parent = self._parent_of.pop(child, None)
+        self._head_of.pop(child, None)
         if parent is None:
             return FamilyChange()
         children = self._children.get(parent)
@@ -85,6 +97,7 @@ class Subagents:
             return ()
         for child in children:
             self._parent_of.pop(child, None)
+            self._head_of.pop(child, None)
         return (parent,)
 
     def check(self) -> list[str]:
@@ -95,6 +108,8 @@ class Subagents:
             problems.append(f"children {listed} != parents {dict(self._parent_of)}")
         if any(not cs for cs in self._children.values()):
             problems.append("a parent with no running child is still waiting")
+        if not self._head_of.keys() <= self._parent_of.keys():
+            problems.append("an instruction length is kept for a child that is not running")
         if len(self._parent_of) > self.max_children:
             problems.append(f"{len(self._parent_of)} children over {self.max_children}")
         return problems

@@ -1,0 +1,116 @@
+"""API-server side: how many leading tokens of a subagent's prompt are its instructions.
+
+A subagent's end releases its own blocks as dead (``VLLM_AFFINITY_CHILD_END=release``), but its
+system prompt and tools are what the agent's next subagents send again: released, a later
+subagent recomputes them, and the end costs more prompt tokens than no release at all (the
+Claude Code trace, issue 31). So the end releases after them, as the hook's ``end_session``
+does on the client.
+
+The instructions' length is found by rendering, with vLLM's own renderer, the request's
+instructions (leading system/developer messages, or the Responses API's ``instructions``) and
+tools twice, each followed by a different one-word user message: the tokens the two renders
+share are exactly what any conversation with these instructions starts with, whatever the chat
+template does with tools or turn markers. Once per session (bounded, least recently used out);
+a render that fails gives 0 (the end then releases everything, as before), never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from .core import common_prefix_length
+
+logger = logging.getLogger(__name__)
+
+#: Chat roles that make up a window's instructions (as ``jiuwen_hooks._diff.head_length``).
+_INSTRUCTION_ROLES = ("system", "developer")
+#: Two user messages that differ from their first character on.
+_PROBES = ("Alpha", "Omega")
+
+
+class Instructions:
+    """Per-session instruction lengths in tokens, rendered on first use."""
+
+    def __init__(self, serving_chat: Any, serving_responses: Any, max_sessions: int) -> None:
+        self._chat = serving_chat
+        self._responses = serving_responses
+        self._max_sessions = max(1, max_sessions)
+        self._tokens: OrderedDict[str, int] = OrderedDict()
+        self.renders = 0  # sessions rendered (tests and stats)
+
+    async def tokens(self, session: str, request: Any) -> int:
+        """Leading tokens of ``request``'s prompt that are its instructions (0: none or unknown)."""
+        known = self._tokens.get(session)
+        if known is not None:
+            self._tokens.move_to_end(session)
+            return known
+        try:
+            count = await self._render(request)
+        except Exception:  # a template that cannot render a probe: release as before
+            logger.debug("vllm_affinity: cannot render the instructions", exc_info=True)
+            count = 0
+        self.renders += 1
+        self._tokens[session] = count
+        while len(self._tokens) > self._max_sessions:
+            self._tokens.popitem(last=False)
+        return count
+
+    async def _render(self, request: Any) -> int:
+        if hasattr(request, "messages"):
+            render, probes = self._render_chat, _chat_probes(request)
+        elif hasattr(request, "input") and self._responses is not None:
+            render, probes = self._render_responses, _responses_probes(request)
+        else:
+            return 0
+        if probes is None:
+            return 0
+        first, second = [await render(probe) for probe in probes]
+        return common_prefix_length(first, second)
+
+    async def _render_chat(self, request: Any) -> list[int]:
+        rendered = await self._chat.render_chat_request(request)
+        if not isinstance(rendered, tuple):  # vLLM's ErrorResponse
+            raise ValueError(rendered.error.message)
+        _, engine_inputs = rendered
+        return self._token_ids(engine_inputs[0])
+
+    async def _render_responses(self, request: Any) -> list[int]:
+        rendered = await self._responses.online_renderer.render_responses(request)
+        if not hasattr(rendered, "engine_input"):  # vLLM's ErrorResponse
+            raise ValueError(rendered.error.message)
+        return self._token_ids(rendered.engine_input)
+
+    def _token_ids(self, engine_input: Any) -> list[int]:
+        return list(self._chat._extract_prompt_components(engine_input).token_ids)
+
+
+def _chat_probes(request: Any) -> tuple[Any, Any] | None:
+    """The request cut to its instructions and tools, then one probe user message each."""
+    head = []
+    for message in request.messages or []:
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        if role not in _INSTRUCTION_ROLES:
+            break
+        head.append(message)
+    if not head and not request.tools:
+        return None
+    return tuple(  # type: ignore[return-value]
+        request.model_copy(update={"messages": [*head, {"role": "user", "content": probe}]})
+        for probe in _PROBES
+    )
+
+
+def _responses_probes(request: Any) -> tuple[Any, Any] | None:
+    if not request.instructions and not request.tools:
+        return None
+    return tuple(  # type: ignore[return-value]
+        request.model_copy(
+            update={
+                "input": [{"role": "user", "content": probe}],
+                "previous_response_id": None,
+            }
+        )
+        for probe in _PROBES
+    )
