@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 ReleaseMode = Literal["post", "in_request", "divergence", "agent_hint", "child_end", "compaction"]
 #: One engine's release outcome; ``mixed``: engines of one data-parallel server disagreed.
 ReleaseStatus = Literal["ok", "unknown_session", "record_mismatch", "mixed"]
-#: One engine's idle-signal outcome (``running``: the session's next request came first).
-IdleStatus = Literal["ok", "unknown_session", "running"]
+#: One engine's idle-signal outcome (``running``: the session's next request came first;
+#: ``returns_soon``: its last absence ended before LRU would have reused its blocks, so the
+#: signal is not acted on: ``vllm_affinity/core/idle_guard.py``).
+IdleStatus = Literal["ok", "unknown_session", "running", "returns_soon"]
 
 
 def _counter_names() -> frozenset[str]:

@@ -9,7 +9,9 @@
 - ``lifecycle``: ``lru_release`` plus the session's state: when a request ends its burst
   (``finish == "stop"``: the session waits for its user), its blocks (those no other session
   holds, as the plugin's ``SessionBlocks.select_idle``) go to an IDLE segment, evicted after
-  the released blocks and before the live LRU ones; a session inside a tool call
+  the released blocks and before the live LRU ones, when the plugin's idle guard finds the
+  session's last absence outlasted LRU's reach (``vllm_affinity/core/idle_guard.py``, on the
+  same clock: cached blocks evicted); a session inside a tool call
   (``tool_calls``) keeps its blocks in LRU; a session the agent ended (``finish == "end"``,
   ``jiuwen_hooks.end_session``) is released whole;
 - ``belady``: evict the cached block whose next use is farthest in the future (deeper blocks
@@ -39,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_affinity.core import common_prefix_length
+from vllm_affinity.core.idle_guard import IdleGuard
 
 POLICIES = ("infinite", "lru", "lru_release", "lifecycle", "belady")
 ORACLES = ("lifecycle+early", "lifecycle+order", "lifecycle+both")
@@ -73,7 +76,9 @@ class CapacityError(RuntimeError):
 
 
 class _Cache:
-    def __init__(self, capacity: int, policy: str, hashes: list[list[int]], block: int) -> None:
+    def __init__(
+        self, capacity: int, policy: str, hashes: list[list[int]], block: int, idle_guard: bool
+    ) -> None:
         self.capacity, self.policy, self.block = capacity, policy, block
         self.free = capacity
         self.hash_of: dict[int, int] = {}
@@ -86,6 +91,8 @@ class _Cache:
         self.latest: dict[str, list[int]] = {}
         self.ids = itertools.count()
         self.now = 0
+        self.evictions = 0  # cached blocks evicted so far: the idle guard's clock
+        self.guard = IdleGuard() if idle_guard and policy in _LIFECYCLE else None
         self.uses: dict[int, list[int]] = {}
         if policy == "belady" or policy in _ORDERED_IDLE:
             for index, request_hashes in enumerate(hashes):
@@ -122,6 +129,7 @@ class _Cache:
             del self.order[victim]
         else:
             victim, _ = self.order.popitem(last=False)
+        self.evictions += 1
         h = self.hash_of.pop(victim)
         self.depth_of.pop(victim)
         self.by_hash[h].discard(victim)
@@ -151,7 +159,15 @@ class _Cache:
             self.idle_session(session)
 
     def idle_session(self, session: str) -> None:
-        """As the plugin does: the session's blocks that no other session holds, tail first."""
+        """As the plugin does: the session's blocks that no other session holds, tail first,
+        when the idle guard finds it worth it (``vllm_affinity/core/idle_guard.py``)."""
+        guard = self.guard
+        if guard is not None:
+            worth = guard.worth_idling(session)
+            cached = len(self.order) + len(self.idle) + len(self.released)
+            guard.went_idle(session, self.evictions, cached)
+            if not worth:
+                return
         for b in reversed(self.latest.get(session, [])):  # the tail goes first, as in LRU
             if b in self.order and self.owners.get(b) == {session}:
                 del self.order[b]
@@ -159,6 +175,8 @@ class _Cache:
 
     def request(self, session: str, hashes: list[int], tokens: int, generated: int) -> int:
         """Serve one request; returns the number of prompt tokens hit."""
+        if self.guard is not None:
+            self.guard.came_back(session, self.evictions)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)
@@ -201,12 +219,16 @@ def simulate(
     policy: str,
     block: int = 32,
     generated: int = 4,
+    idle_guard: bool = True,
 ) -> dict[str, float]:
-    """Hit rate of ``requests`` under ``policy`` with a pool of ``capacity`` blocks."""
+    """Hit rate of ``requests`` under ``policy`` with a pool of ``capacity`` blocks
+    (``idle_guard``: the lifecycle policies act on an idle only when the plugin's guard would,
+    as shipped; ``VLLM_AFFINITY_IDLE_GUARD``)."""
     if policy not in POLICIES + ORACLES:
         raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES + ORACLES}")
     hashes = [block_hashes(r.tokens, block) for r in requests]
-    cache = _Cache(1 << 40 if policy == "infinite" else capacity, policy, hashes, block)
+    capacity = 1 << 40 if policy == "infinite" else capacity
+    cache = _Cache(capacity, policy, hashes, block, idle_guard)
     previous: dict[str, tuple[int, ...]] = {}
     following: dict[int, int] = {}  # index → the same session's next request (the oracle)
     last: dict[str, int] = {}

@@ -52,6 +52,7 @@ from .core import (
 )
 from .core.compaction import side_branch
 from .core.counters import Counters
+from .core.idle_guard import IdleGuard
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
 from .settings import Settings
@@ -90,6 +91,7 @@ class PoolAffinity:
         self.sessions = SessionBlocks(settings.max_sessions)
         self.subagents = Subagents(settings.max_sessions)
         self._child_end = settings.child_end
+        self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, int] = {}
@@ -208,6 +210,9 @@ class PoolAffinity:
                     status=result.status, blocks_idled=0, kept_shared=result.kept_shared
                 )
         selection = self.sessions.select_idle(session)
+        if selection.status == "ok" and not self._worth_idling(session):
+            self.counters.add("idles_returns_soon", 1)
+            return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
         blocks = self.pool.blocks
         moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
         self.counters.add(f"idles_{selection.status}", 1)
@@ -215,6 +220,15 @@ class PoolAffinity:
         return EngineIdle(
             status=selection.status, blocks_idled=moved, kept_shared=selection.kept_shared
         )
+
+    def _worth_idling(self, session: str) -> bool:
+        """The idle guard's verdict (``core/idle_guard.py``), noting the absence it starts."""
+        guard = self.idle_guard
+        if guard is None:
+            return True
+        worth = guard.worth_idling(session)
+        guard.went_idle(session, self.queue.cached_reused, self.queue.num_cached)
+        return worth
 
     def _apply_family(self, change: FamilyChange) -> None:
         for parent in change.unprotect:
@@ -281,6 +295,8 @@ class PoolAffinity:
         session = _session_of(request)
         if not session:
             return
+        if self.idle_guard is not None:
+            self.idle_guard.came_back(session, self.queue.cached_reused)
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
         parent = extra.get(PARENT_KEY)

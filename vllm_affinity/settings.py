@@ -43,6 +43,10 @@ class Settings:
     lifecycle: bool = True
     #: Seconds of an ``X-KV-Next-Use`` hint from which the session counts as idle.
     idle_after: float = 10.0
+    #: Act on a session's idle signal only when its last absence outlasted LRU's reach
+    #: (``core/idle_guard.py``): an agent whose driver answers its ``end_turn`` in seconds
+    #: keeps its cache. Off: every idle signal is acted on.
+    idle_guard: bool = True
     #: Headers that name a request's session, first found wins (see
     #: ``core/session_headers.py``); a ``session_id`` in the body comes first either way.
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
@@ -77,6 +81,7 @@ class Settings:
             stats_interval=_seconds(env, "VLLM_AFFINITY_STATS_INTERVAL", 2.0),
             lifecycle=_flag(env, "VLLM_AFFINITY_LIFECYCLE", True),
             idle_after=_seconds(env, "VLLM_AFFINITY_IDLE_AFTER_S", 10.0),
+            idle_guard=_flag(env, "VLLM_AFFINITY_IDLE_GUARD", True),
             release_on_divergence=_flag(env, "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", False),
             dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),

@@ -207,6 +207,33 @@ def test_without_idle_lru_evicts_the_session_in_a_tool_call() -> None:
     assert a_hits == 3 * BLOCK
 
 
+def test_an_idle_is_not_repeated_for_a_session_that_came_back_within_lrus_reach() -> None:
+    """The idle guard (``core/idle_guard.py``) on vLLM's own classes: the pool's eviction count
+    while the session was away, against the cached blocks ahead of it when it left."""
+    manager = make_manager(14)  # 13 usable blocks
+    state = state_of(manager)
+
+    def call(session: str, start: int, n_blocks: int) -> None:
+        request = make_request(tokens(start, n_blocks), session=session)
+        state.on_new_request(request, release_on_divergence=False)
+        run_prefill(manager, request)
+        manager.free(request)
+
+    call("A", 0, 3)
+    assert state.idle_session("A").status == "ok"  # nothing learned yet: trusted
+    call("A", 0, 3)  # back before a single block was evicted
+    before = state.queue.segment_sizes()
+    again = state.idle_session("A")
+    assert again.status == "returns_soon" and again.blocks_idled == 0
+    assert state.queue.segment_sizes() == before and state.stats().idles_returns_soon == 1
+    call("B", 500, 13)  # while A is away: every cached block is evicted
+    call("A", 0, 3)
+    last = state.idle_session("A")  # it stayed away past LRU's reach
+    assert last.status == "ok" and last.blocks_idled > 0
+    assert state.check(idle=True) == []
+    assert_no_leak(manager)
+
+
 def test_idle_does_nothing_to_a_running_or_unknown_session() -> None:
     manager = make_manager(10)
     a = make_request(tokens(0, 3), session="A")

@@ -175,6 +175,7 @@ class QueueMachine(RuleBasedStateMachine):
         # in pop order: FREE, RELEASED, IDLE, NORMAL, PROTECTED
         self.ref: list[list[int]] = [list(range(self.N)), [], [], [], []]
         self.pending: set[int] = set()
+        self.cached_popped = 0  # blocks popped from any segment but FREE
 
     def in_queue(self) -> list[int]:
         return [b for seg in self.ref for b in seg]
@@ -184,8 +185,9 @@ class QueueMachine(RuleBasedStateMachine):
         return [i for i in range(self.N) if i not in inside]
 
     def ref_pop(self) -> int:
-        for seg in self.ref:
+        for index, seg in enumerate(self.ref):
             if seg:
+                self.cached_popped += index > 0
                 return seg.pop(0)
         raise AssertionError
 
@@ -278,6 +280,8 @@ class QueueMachine(RuleBasedStateMachine):
         names = ("free", "released", "idle", "normal", "protected")
         assert [sizes[name] for name in names] == [len(s) for s in self.ref]
         assert self.q.num_pending == len(self.pending)
+        assert self.q.cached_reused == self.cached_popped
+        assert self.q.num_cached == len(self.in_queue()) - len(self.ref[0])
         segments = (
             Segment.FREE,
             Segment.RELEASED,

@@ -126,6 +126,8 @@ class SegmentedFreeBlockQueue:
         self.released_reused = 0
         #: Protected blocks handed out all the same (nothing else was left).
         self.protected_reused = 0
+        #: Cached blocks (any segment but FREE) handed out: the pool's eviction clock.
+        self.cached_reused = 0
         self._link_run(blocks, _FREE)
 
     # -- vLLM's FreeKVCacheBlockQueue interface -----------------------------------------------
@@ -171,6 +173,7 @@ class SegmentedFreeBlockQueue:
             node = nxt
         normal.next_free_block = node
         node.prev_free_block = normal
+        self.cached_reused += n - num_free
         return out
 
     def _pop_through_marked(self, n: int, out: list[Block]) -> list[Block]:
@@ -215,7 +218,9 @@ class SegmentedFreeBlockQueue:
         node.prev_free_block = head
         if segment == _FREE:
             self._num_free -= take
-        elif segment != _NORMAL:
+            return
+        self.cached_reused += take
+        if segment != _NORMAL:
             mark = self._mark
             for block in out[-take:]:
                 mark[block.block_id] = _NORMAL
@@ -366,6 +371,11 @@ class SegmentedFreeBlockQueue:
     def segment_of(self, block: Block) -> Segment | None:
         segment = self._segment_index(block)
         return None if segment == _OUT else Segment(segment)
+
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks in the queue (every segment but FREE)."""
+        return self.num_free_blocks - self._num_free
 
     def segment_sizes(self) -> dict[str, int]:
         released = self._num_marked - self._num_idle - self._num_protected
