@@ -35,6 +35,7 @@ def _second_plugin_server() -> VLLMServer:
         num_blocks=96,
         env={
             "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE": "true",
+            "VLLM_AFFINITY_IDLE_GUARD": "false",
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
         },
         extra_args=("--otlp-traces-endpoint", _the_collector().grpc_endpoint),
@@ -45,5 +46,7 @@ def _second_plugin_server() -> VLLMServer:
 
 #: A plugin server for what the first one is not set up for: no API key (the openJiuwen 0.1.16
 #: client sends none), a session's rewritten history released on divergence
-#: (``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE``), and traces exported to ``otlp_collector``.
+#: (``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE``), every idle signal acted on (the IDLE segment's
+#: own tests: ``VLLM_AFFINITY_IDLE_GUARD=false``; the first server's idles depend on the
+#: absences of every test before), and traces exported to ``otlp_collector``.
 second_plugin_server = shared_server("second_plugin_server", _second_plugin_server)

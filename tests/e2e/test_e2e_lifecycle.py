@@ -1,6 +1,7 @@
 """End to end: a session whose call ends with the model's answer goes to the IDLE segment; one
 whose call is cut off (or ends in a tool call) stays live; ``X-KV-Next-Use`` overrides both.
-Against the real plugin server of ``vllm_affinity.pytest_plugin``."""
+Against real plugin servers: the IDLE segment's own tests on one that acts on every idle signal
+(``second_plugin_server``), the idle guard as shipped on ``vllm_affinity.pytest_plugin``'s."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def call(
         extra["stop_token_ids"] = vocabulary(server)
     else:
         extra["ignore_eos"] = True
-    with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0) as c:
+    key = server.api_key or "none"  # the server of the IDLE segment's own tests has no key
+    with openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0) as c:
         kwargs: dict[str, Any] = {
             "model": SERVED_NAME,
             "messages": messages,
@@ -73,8 +75,8 @@ def wait_for_idles(server: VLLMServer, at_least: int) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-def test_an_answered_session_goes_idle_and_comes_back(vllm_affinity_server: VLLMServer) -> None:
-    server = vllm_affinity_server
+def test_an_answered_session_goes_idle_and_comes_back(second_plugin_server: VLLMServer) -> None:
+    server = second_plugin_server
     messages = filler_window(seed=401, words=200)
     before = server.engine_stats()
     assert call(server, "answered", messages, answered=True) == "stop"
@@ -100,8 +102,8 @@ def test_an_answered_session_goes_idle_and_comes_back(vllm_affinity_server: VLLM
     assert back["idles"] == after["idles"]  # a cut-off call sends no signal
 
 
-def test_a_cut_off_call_leaves_the_session_live(vllm_affinity_server: VLLMServer) -> None:
-    server = vllm_affinity_server
+def test_a_cut_off_call_leaves_the_session_live(second_plugin_server: VLLMServer) -> None:
+    server = second_plugin_server
     before, counts = server.engine_stats(), lifecycle(server)
     assert call(server, "cut-off", filler_window(seed=402, words=120), answered=False) == "length"
     time.sleep(0.5)
@@ -109,8 +111,8 @@ def test_a_cut_off_call_leaves_the_session_live(vllm_affinity_server: VLLMServer
     assert server.engine_stats().get("idles", 0) == before.get("idles", 0)
 
 
-def test_a_streamed_answer_goes_idle(vllm_affinity_server: VLLMServer) -> None:
-    server = vllm_affinity_server
+def test_a_streamed_answer_goes_idle(second_plugin_server: VLLMServer) -> None:
+    server = second_plugin_server
     before = server.engine_stats()
     reason = call(server, "streamed", filler_window(403, 150), answered=True, stream=True)
     assert reason == "stop"
@@ -119,9 +121,9 @@ def test_a_streamed_answer_goes_idle(vllm_affinity_server: VLLMServer) -> None:
     assert after["blocks_idled"] > before.get("blocks_idled", 0)
 
 
-def test_next_use_hint_overrides_the_finish_reason(vllm_affinity_server: VLLMServer) -> None:
+def test_next_use_hint_overrides_the_finish_reason(second_plugin_server: VLLMServer) -> None:
     """An agent that knows its tool takes minutes says so; one that knows its user is quick too."""
-    server = vllm_affinity_server
+    server = second_plugin_server
     before, counts = server.engine_stats(), lifecycle(server)
     slow_tool = {"X-KV-Next-Use": "120"}
     assert call(server, "hinted-slow", filler_window(404, 120), False, slow_tool) == "length"
@@ -167,3 +169,25 @@ def test_vanilla_vllm_ignores_the_hint(vllm_vanilla_server: VLLMServer) -> None:
         vllm_vanilla_server, "plain", filler_window(406, 40), False, {"X-KV-Next-Use": "x"}
     )
     assert reason == "length"
+
+
+def test_an_idle_is_not_repeated_for_a_session_back_within_lrus_reach(
+    vllm_affinity_server: VLLMServer,
+) -> None:
+    """The idle guard as shipped (``core/idle_guard.py``): the session answered, went idle
+    (or not, as the absences before it say), and came back before the pool evicted a single
+    block; so its next answer's idle is not acted on."""
+    server = vllm_affinity_server
+    messages = filler_window(seed=404, words=120)
+    before = server.engine_stats()
+    assert call(server, "guarded", messages, answered=True) == "stop"
+    first = wait_for_idles(server, before.get("idles", 0) + 1)
+    follow_up = [
+        *messages,
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "go"},
+    ]
+    assert call(server, "guarded", follow_up, answered=True) == "stop"
+    second = wait_for_idles(server, first["idles"] + 1)
+    assert second["idles_returns_soon"] == first.get("idles_returns_soon", 0) + 1
+    assert second["blocks_idled"] == first["blocks_idled"]
