@@ -220,6 +220,7 @@ def traces(spec: str, args: argparse.Namespace, workdir: Path) -> list[Trace]:
         if fmt not in FORMATS:
             raise SystemExit(f"unknown format {fmt!r}; expected one of {FORMATS}")
         trace = read_trace(path or agentinfer_trace_path(), fmt)
+        trace = trace.first_sessions(args.sessions) if args.sessions else trace
         trace = trace.head(args.limit) if args.limit else trace
         out.append(trace.copies(args.copies, args.stagger))
     return out
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", type=float, default=0.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--limit", type=int, help="the first N calls of each trace")
+    parser.add_argument(
+        "--sessions", type=int, help="the first N top-level sessions (with their subagents)"
+    )
     parser.add_argument(
         "--copies", type=int, default=1,
         help="N copies of every session, content of their own (tenants: Trace.copies)",

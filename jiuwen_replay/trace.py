@@ -84,6 +84,21 @@ class Trace:
         notes = {**self.notes, "first_calls_of": len(self.requests)}  # notes: the whole file
         return Trace(self.format, self.block_tokens, self.requests[:limit], self.source, notes)
 
+    def first_sessions(self, count: int) -> Trace:
+        """The requests of the first ``count`` top-level sessions (in order of their first
+        request) and of their subagents: a smaller run of whole agent sessions."""
+        if count < 1:
+            raise ValueError(f"sessions must be at least 1, got {count}")
+        roots: list[str] = []
+        for r in self.requests:
+            root = r.parent or r.session
+            if root not in roots:
+                roots.append(root)
+        kept = set(roots[:count])
+        requests = tuple(r for r in self.requests if (r.parent or r.session) in kept)
+        notes = {**self.notes, "first_sessions": count, "sessions_of": len(roots)}
+        return Trace(self.format, self.block_tokens, requests, self.source, notes)
+
     def copies(self, count: int, stagger_s: float = 0.0) -> Trace:
         """``count`` copies of every session, each copy with content of its own (no block
         shared across copies: tenants) and started ``stagger_s`` seconds after the previous

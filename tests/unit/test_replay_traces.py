@@ -229,3 +229,18 @@ def test_copies_are_sessions_of_their_own_with_content_of_their_own() -> None:
     assert trace.copies(1) is trace
     with pytest.raises(ValueError, match="at least 1"):
         trace.copies(0)
+
+
+def test_first_sessions_keeps_whole_agent_sessions() -> None:
+    from jiuwen_replay.trace import Trace, TraceRequest
+
+    def call(session: str, at: float, parent: str | None = None) -> TraceRequest:
+        return TraceRequest(session, at, (1, 2), 1, parent)
+
+    trace = Trace("project", 16, (call("a", 0), call("b", 1), call("a.1", 2, "a"), call("c", 3)))
+    first = trace.first_sessions(1)
+    assert [r.session for r in first.requests] == ["a", "a.1"]
+    assert [r.session for r in trace.first_sessions(2).requests] == ["a", "b", "a.1"]
+    assert first.notes["sessions_of"] == 3
+    with pytest.raises(ValueError, match="at least 1"):
+        trace.first_sessions(0)
