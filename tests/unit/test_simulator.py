@@ -168,3 +168,49 @@ def test_timed_trace_has_the_same_sessions_on_a_clock() -> None:
             steps[last[call.session].finish].append(call.at - last[call.session].at)
         last[call.session] = call
     assert statistics.median(steps["stop"]) > 3 * statistics.median(steps["tool_calls"])
+
+
+def _script_driven(rounds: int = 6) -> list[Request]:
+    """A lead whose "user" is a script: it answers (``stop``) and is back after one short
+    tool session, long before LRU would have reached its blocks."""
+    requests, lead = [], list(range(1000, 1008))
+    for k in range(rounds):
+        requests.append(Request("lead", tuple(lead), "stop"))
+        lead = [*lead, 2000 + k]
+        requests.append(Request(f"tool{k}", tuple(range(3000 + 10 * k, 3003 + 10 * k))))
+    return requests
+
+
+def _really_away(rounds: int = 5) -> list[Request]:
+    """A lead that stays away while two live sessions run three tool calls each."""
+    requests, lead = [], list(range(1000, 1006))
+    a, b = list(range(2000, 2005)), list(range(3000, 3005))
+    for k in range(rounds):
+        requests.append(Request("lead", tuple(lead), "stop"))
+        lead = [*lead, 1100 + k]
+        for j in range(3):
+            requests.append(Request("a", tuple(a)))
+            a = [*a, 2100 + 10 * k + j]
+            requests.append(Request("b", tuple(b)))
+            b = [*b, 3100 + 10 * k + j]
+    return requests
+
+
+def _hits(requests: list[Request], capacity: int, policy: str, guard: bool = True) -> int:
+    return int(
+        simulate(requests, capacity, policy, block=1, generated=1, idle_guard=guard)["hit_tokens"]
+    )
+
+
+def test_the_idle_guard_keeps_a_script_driven_session_as_lru_would() -> None:
+    trace = _script_driven()
+    lru = _hits(trace, 18, "lru")
+    assert _hits(trace, 18, "lifecycle", guard=False) < lru  # every idle was wrong
+    assert _hits(trace, 18, "lifecycle") == lru
+
+
+def test_the_idle_guard_keeps_idling_a_session_that_stays_away() -> None:
+    trace = _really_away()
+    lru = _hits(trace, 24, "lru")
+    assert _hits(trace, 24, "lifecycle") > lru
+    assert _hits(trace, 24, "lifecycle") <= _hits(trace, 24, "lifecycle", guard=False)
