@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from vllm_affinity.core.lifecycle import ends_task
+
 from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, metrics_text, run, windows
 from .simulator import CapacityError, Request, simulate
 from .trace import Trace, next_call_gaps, next_use_hints
@@ -123,15 +125,18 @@ def tokenize(
 def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
     """How the plugin sees each call end, as the simulator's ``finish``: a replayed call is cut
     at its token budget (``length``: no signal), so only the hint says idle (``stop``) or live
-    (``tool_calls``); a session the replay ends after its last call is ``end``."""
+    (``tool_calls``); a session the replay ends after its last call is ``end``, and so is a
+    subagent whose hint says it is done (the plugin releases a subagent whose task ended)."""
     hints = next_use_hints(trace.requests, options.next_use, IDLE_AFTER_S, options.speed)
     gaps = next_call_gaps(trace.requests)
     out = []
-    for hint, gap in zip(hints, gaps, strict=True):
+    for request, hint, gap in zip(trace.requests, hints, gaps, strict=True):
+        subagent = options.parents and request.parent not in (None, request.session)
         if gap is None and options.end_sessions:
             out.append("end")
         elif hint is not None and hint >= IDLE_AFTER_S:
-            out.append("stop")
+            # a subagent's task ends when the hint says it is done (as its answer would)
+            out.append("end" if subagent and ends_task(hint) else "stop")
         else:
             out.append("tool_calls")
     return out

@@ -5,11 +5,12 @@
   "input_tokens"]}``. ``write_project`` writes it; ``synthetic.py`` makes one.
 - ``mooncake`` (the Mooncake FAST'25 traces): ``{"timestamp" (ms), "input_length",
   "output_length", "hash_ids"}`` a line, 512-token blocks, no session ids. A request whose ids
-  extend a session's latest prompt is that session's next turn (also when only its partial last
-  block changed); one that keeps more than half of a session's latest prompt (and at least two
-  blocks) but not all of it rewrote it; anything else starts a session. The system prompt every
-  session shares is one block, so two blocks in common are the least that says "the same
-  conversation".
+  extend a session's latest prompt is that session's next turn (also when only its last block
+  changed, if that block was partial: ``input_length`` not a multiple of 512, so the answer
+  filled it; at least two blocks in common, as the system prompt every session shares is one);
+  anything else starts a session. A rewrite is never guessed: a request that keeps only part of
+  a prompt may be another conversation with the same start, and releasing on a guess would drop
+  what that conversation still reads.
 - ``agentx``: one session a line ``{"id", "block_size", "hash_id_scope": "local", "requests":
   [{"t", "in", "out", "hash_ids", ...} | {"type": "subagent", "agent_id", "requests": [...]}]}``.
   Ids are local to a line (the lead and its subagents share them), so they are made unique per
@@ -170,12 +171,13 @@ class _SessionFinder:
 
     def __init__(self) -> None:
         self.latest: dict[str, tuple[int, ...]] = {}
+        self.partial: dict[str, bool] = {}  # whether a session's latest prompt ends mid-block
         #: Prefix chain key of every prefix (2 blocks and longer) of each session's latest
         #: prompt → that session (the last one to have it).
         self.by_prefix: dict[int, str] = {}
         self.whole: dict[int, str] = {}  # chain key of a whole latest prompt → its session
         self.counter = itertools.count()
-        self.inferred = {"continued": 0, "rewritten": 0, "started": 0}
+        self.inferred = {"continued": 0, "started": 0}
 
     @staticmethod
     def _chain(ids: tuple[int, ...]) -> list[int]:
@@ -185,7 +187,9 @@ class _SessionFinder:
             keys.append(key)
         return keys
 
-    def session_of(self, ids: tuple[int, ...]) -> str:
+    def session_of(self, ids: tuple[int, ...], partial: bool = True) -> str:
+        """The session of a prompt with block ids ``ids`` (``partial``: its last block is not
+        full, so the next turn changes it)."""
         chain = self._chain(ids)
         session = None
         for k in range(len(ids), 1, -1):  # the longest earlier prompt this one extends
@@ -200,10 +204,13 @@ class _SessionFinder:
                     continue
                 before = self.latest[candidate]
                 shared = common_prefix_length(before, ids)
-                if shared >= 2 and 2 * shared > len(before):
-                    # All but a partial last block kept and more added: the next turn.
-                    grew = shared == len(before) - 1 and len(ids) >= len(before)
-                    session, kind = candidate, "continued" if grew else "rewritten"
+                # All but a partial last block kept and more added: the next turn. Anything
+                # else that shares a prefix may be another conversation with the same start
+                # (a shared system prompt and first message): a new session, never a guessed
+                # rewrite, whose release would drop what that other conversation still reads.
+                grew = shared == len(before) - 1 and len(ids) >= len(before)
+                if shared >= 2 and grew and self.partial[candidate]:
+                    session, kind = candidate, "continued"
                     break
         if session is None:
             session, kind = f"s{next(self.counter)}", "started"
@@ -212,6 +219,7 @@ class _SessionFinder:
         if before is not None:
             self.whole.pop(self._chain(before)[-1], None)
         self.latest[session] = ids
+        self.partial[session] = partial
         self.whole[chain[-1]] = session
         for key in chain[1:]:
             self.by_prefix[key] = session
@@ -225,13 +233,14 @@ def read_mooncake(path: Path) -> Trace:
     for number, row in rows:
         where = f"{path}:{number}"
         ids = tuple(_ids(row, "hash_ids", where))
+        length = _field(row, "input_length", int, where)
         requests.append(
             TraceRequest(
-                session=finder.session_of(ids),
+                session=finder.session_of(ids, length % MOONCAKE_BLOCK_TOKENS != 0),
                 at=_field(row, "timestamp", (int, float), where) / 1000.0,
                 blocks=ids,
                 output_tokens=_field(row, "output_length", int, where),
-                input_tokens=_field(row, "input_length", int, where),
+                input_tokens=length,
             )
         )
     notes = {"sessions_inferred": finder.inferred}
@@ -239,10 +248,13 @@ def read_mooncake(path: Path) -> Trace:
 
 
 def write_mooncake(trace: Trace, path: str | Path) -> None:
-    """Mooncake's shape: sessions and parents are dropped, as in the published traces."""
+    """Mooncake's shape: sessions and parents are dropped, as in the published traces; lengths
+    in Mooncake's 512-token blocks (the reader's unit), so a full last block stays full."""
+    scale = MOONCAKE_BLOCK_TOKENS / trace.block_tokens
     with Path(path).open("w", encoding="utf-8") as out:
         for r in trace.requests:
-            length = r.input_tokens or len(r.blocks) * trace.block_tokens
+            tokens = r.input_tokens or len(r.blocks) * trace.block_tokens
+            length = round(tokens * scale)
             row = {
                 "timestamp": round(r.at * 1000),
                 "input_length": length,

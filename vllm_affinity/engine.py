@@ -189,16 +189,17 @@ class PoolAffinity:
         self.counters.add("blocks_restored", restored)
         return EngineRestore(status=status, blocks_restored=restored, first_stale_block=first)
 
-    def idle_session(self, session: str) -> EngineIdle:
+    def idle_session(self, session: str, ends_task: bool = True) -> EngineIdle:
         """The session waits on its user: its own blocks go to IDLE, tail first, reused after
         released blocks and before any live session's. Shared blocks and blocks in use stay.
 
-        A subagent (a session that named a parent) has ended its task instead: its parent stops
-        waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own blocks are released
-        as dead after its instructions, which the agent's next subagents send again (and what
-        other sessions have hit is kept: ``core/sessions.py``)."""
+        A subagent (a session that named a parent) whose signal ``ends_task`` (its model
+        answered, or its hint says it is not back within the hour) has ended its task instead:
+        its parent stops waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own
+        blocks are released as dead after its instructions, which the agent's next subagents
+        send again (and what other sessions have hit is kept: ``core/sessions.py``)."""
         self.counters.add("idles", 1)  # every signal, applied or not (a replay waits on it)
-        if self.subagents.parent_of(session) is not None:
+        if ends_task and self.subagents.parent_of(session) is not None:
             head = self.subagents.head_of(session)
             self._apply_family(self.subagents.ended(session))
             self.counters.add("children_ended", 1)
@@ -491,10 +492,10 @@ def _block_hashes(engine_core: Any, prompt_token_ids: list[int], cache_salt: str
     return probe.block_hashes
 
 
-def affinity_session_idle(self: Any, session: str) -> dict[str, Any]:
+def affinity_session_idle(self: Any, session: str, ends_task: bool = True) -> dict[str, Any]:
     """EngineCore utility: the session's last call ended waiting on its user (see
     ``core/lifecycle.py``); sent by the API server after the answer, off the request's path."""
-    return _engine_state(self).idle_session(session).model_dump()
+    return _engine_state(self).idle_session(session, ends_task).model_dump()
 
 
 def affinity_check(self: Any) -> dict[str, Any]:

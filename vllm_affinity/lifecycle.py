@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from .core.lifecycle import goes_idle
+from .core.lifecycle import ends_task, goes_idle
 
 logger = logging.getLogger("vllm_affinity")
 
@@ -126,15 +126,16 @@ class IdleSignals:
                 source = "hint" if next_use is not None else "finish_reason"
             self._count(f"{'idle' if idle else 'live'}.{source}")
             if idle:
-                task = asyncio.get_running_loop().create_task(self._send(session))
+                ended = ends_task(next_use)
+                task = asyncio.get_running_loop().create_task(self._send(session, ended))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
         return finished
 
-    async def _send(self, session: str) -> None:
+    async def _send(self, session: str, ended: bool) -> None:
         try:
-            await self._call_engines("affinity_session_idle", session)
+            await self._call_engines("affinity_session_idle", session, ended)
         except Exception as exc:  # the engine is gone or dying: nothing to keep
             logger.warning("vllm_affinity: could not mark session %r idle: %s", session, exc)
             self._count("failed")

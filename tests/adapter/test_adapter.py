@@ -174,6 +174,7 @@ def squeeze(idle: bool) -> tuple[int, int]:
     for request in (b, a, d):
         manager.free(request)
     state = state_of(manager)
+    state.idle_guard = None  # the IDLE segment itself: every idle signal acted on
     state.release("D", 1)
     if idle:
         assert state.idle_session("A").model_dump() == {
@@ -220,12 +221,12 @@ def test_an_idle_is_not_repeated_for_a_session_that_came_back_within_lrus_reach(
         manager.free(request)
 
     call("A", 0, 3)
-    assert state.idle_session("A").status == "ok"  # nothing learned yet: trusted
+    assert state.idle_session("A").status == "returns_soon"  # nothing learned yet
     call("A", 0, 3)  # back before a single block was evicted
     before = state.queue.segment_sizes()
     again = state.idle_session("A")
     assert again.status == "returns_soon" and again.blocks_idled == 0
-    assert state.queue.segment_sizes() == before and state.stats().idles_returns_soon == 1
+    assert state.queue.segment_sizes() == before and state.stats().idles_returns_soon == 2
     call("B", 500, 13)  # while A is away: every cached block is evicted
     call("A", 0, 3)
     last = state.idle_session("A")  # it stayed away past LRU's reach
@@ -257,6 +258,7 @@ def lead_and_subagent(parent: str | None) -> tuple[Any, Any, int, int]:
     manager, the subagent's request and the prompt tokens the lead and the other would hit."""
     manager = make_manager(13)  # 12 usable
     state_of(manager).protect_cap = 3  # VLLM_AFFINITY_PROTECT_SHARE=0.25 (off by default)
+    state_of(manager).idle_guard = None  # every idle signal acted on
     lead = make_request(tokens(0, 4), session="lead")
     other = make_request(tokens(500, 4), session="other")
     for request in (lead, other):  # LRU order: the lead's blocks, then the other's

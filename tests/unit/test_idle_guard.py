@@ -8,8 +8,8 @@ import pytest
 from vllm_affinity.core.idle_guard import IdleGuard
 
 
-def test_with_no_history_the_signal_is_trusted() -> None:
-    assert IdleGuard().worth_idling("a")
+def test_with_no_history_the_signal_waits_for_evidence() -> None:
+    assert not IdleGuard().worth_idling("a")
 
 
 def test_a_quick_return_stops_the_next_idle_and_a_long_absence_restores_it() -> None:
@@ -35,7 +35,7 @@ def test_a_new_session_goes_by_the_last_absence_of_any() -> None:
 def test_a_call_without_an_idle_before_it_teaches_nothing() -> None:
     guard = IdleGuard()
     guard.came_back("a", 5)
-    assert guard.worth_idling("a") and len(guard) == 0
+    assert not guard.worth_idling("a") and len(guard) == 0
 
 
 def test_an_empty_queue_counts_as_one_block_ahead() -> None:

@@ -94,25 +94,28 @@ def test_agentinfer_shares_each_role_system_prompt_and_compacts(tmp_path: Path) 
     assert trace.notes["dropped_failed"] == 1 and trace.notes["compactions"] == 1
 
 
-def test_mooncake_infers_turns_rewrites_and_new_conversations(tmp_path: Path) -> None:
-    rows = [
-        [0, 1, 2, 3],  # conversation A
-        [0, 7, 8],  # B (shares only the system block with A)
-        [0, 1, 2, 3, 4, 5],  # A's next turn
-        [0, 1, 2, 3, 9],  # A rewritten (keeps 4 of 6 blocks)
-        [0, 7, 8, 10],  # B's next turn
-        [0, 1, 11],  # a new conversation: 2 blocks of A's 5 are not more than half
+def test_mooncake_infers_turns_and_new_conversations_never_a_rewrite(tmp_path: Path) -> None:
+    rows = [  # (hash ids, whether the last block is partial)
+        ([0, 1, 2, 3], False),  # conversation A
+        ([0, 7, 8], True),  # B (shares only the system block with A), last block partial
+        ([0, 1, 2, 3, 4, 5], False),  # A's next turn
+        ([0, 1, 2, 3, 9], False),  # keeps 4 of A's 6 blocks: maybe another conversation
+        ([0, 7, 12, 13], False),  # B's next turn: its partial last block filled, more added
+        ([0, 1, 11], False),  # a new conversation
     ]
     with (tmp_path / "m.jsonl").open("w") as out:
-        for i, ids in enumerate(rows):
-            row = {"timestamp": i * 1000, "input_length": 512 * len(ids), "output_length": 3}
+        for i, (ids, partial) in enumerate(rows):
+            length = 512 * len(ids) - (100 if partial else 0)
+            row = {"timestamp": i * 1000, "input_length": length, "output_length": 3}
             out.write(json.dumps({**row, "hash_ids": ids}) + "\n")
     trace = read_trace(tmp_path / "m.jsonl", "mooncake")
     sessions = [r.session for r in trace.requests]
     a, b = sessions[0], sessions[1]
-    assert sessions[:5] == [a, b, a, a, b] and sessions[5] not in (a, b)
-    assert transitions(trace.requests) == ["first", "first", "append", "rewrite", "append", "first"]
+    assert sessions[:5] == [a, b, a, sessions[3], b] and sessions[3] not in (a, b)
+    assert sessions[5] not in (a, b, sessions[3])
+    assert transitions(trace.requests) == ["first", "first", "append", "first", "rewrite", "first"]
     assert trace.block_tokens == 512 and trace.requests[1].at == 1.0
+    assert trace.notes["sessions_inferred"] == {"continued": 2, "started": 4}
 
 
 @pytest.mark.parametrize(

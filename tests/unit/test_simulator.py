@@ -107,8 +107,10 @@ def _return_hits(policy: str, a_finish: str) -> int:
         Request("C", seq(2000, 11)),  # 12 blocks: 2 cached blocks must go
     ]
     back = Request("B", seq(1000, 3))
-    before = simulate(trace, 16, policy, block=B, generated=1)["hit_tokens"]
-    return simulate([*trace, back], 16, policy, block=B, generated=1)["hit_tokens"] - before
+    # the IDLE segment itself: every idle acted on (the guard has seen no absence here)
+    before = simulate(trace, 16, policy, block=B, generated=1, idle_guard=False)["hit_tokens"]
+    after = simulate([*trace, back], 16, policy, block=B, generated=1, idle_guard=False)
+    return after["hit_tokens"] - before
 
 
 def test_lifecycle_evicts_the_idle_session_before_the_one_in_a_tool_call() -> None:
@@ -143,7 +145,7 @@ def test_oracles_know_the_next_compaction_and_who_returns_first() -> None:
     ]
     for trace, oracle in ((doomed, "lifecycle+early"), (two_idle, "lifecycle+order")):
         hits = {
-            p: simulate(trace, 16, p, block=B, generated=1)["hit_tokens"]
+            p: simulate(trace, 16, p, block=B, generated=1, idle_guard=False)["hit_tokens"]
             for p in ("lifecycle", oracle, "lifecycle+both", "belady")
         }
         assert hits["lifecycle"] < hits[oracle] == hits["lifecycle+both"] == hits["belady"], hits

@@ -13,10 +13,10 @@ in the queue (``cached``); it would have lost its blocks once that many were evi
 idle the guard notes the eviction count and ``cached``, and when the session calls again it
 learns the ratio ``evicted while away / cached``: at least 1, the session stayed away past LRU's
 reach. A session's idle is acted on when its last absence's ratio (or, for a session with none
-yet, the last one of any session) is at least ``threshold``; with no history at all it is
-trusted. (Smoothing over several absences, thresholds from 0.25 to 1.5 and distrusting the
-unknown were tried in the simulator on the Claude Code trace, 32 cells: the last absence against
-1 was the one setting never worse than LRU in any cell.) The clock counts evictions, not
+yet, the last one of any session) is at least ``threshold``; with no history at all it is not:
+an idle is acted on only once an absence has been seen to outlast LRU's reach. (Smoothing over
+several absences, thresholds from 0.25 to 1.5, trusting the unknown and a prior learned only
+under pressure were tried in the simulator; see docs/decisions.md.) The clock counts evictions, not
 seconds, so it reads the same on a busy GPU, on CPU and in a replay that sends calls one at a
 time. Bounded: at most ``max_sessions`` sessions, least recently seen first out.
 """
@@ -51,7 +51,7 @@ class IdleGuard:
     def worth_idling(self, session: str) -> bool:
         """Whether to act on ``session``'s idle signal now."""
         ratio = self._ratio.get(session, self._prior)
-        return ratio is None or ratio >= self.threshold
+        return ratio is not None and ratio >= self.threshold
 
     def went_idle(self, session: str, evictions: int, cached: int) -> None:
         """``session`` signalled idle (acted on or not) when the pool had evicted ``evictions``

@@ -36,6 +36,18 @@ def parse_next_use(value: str) -> float:
     return seconds
 
 
+#: An ``X-KV-Next-Use`` this long (seconds) says the session is done, as a model's answer does:
+#: from a subagent, it ends its task (its blocks are released); a shorter one only idles it (a
+#: slow tool, not the end of the task).
+TASK_OVER_S = 3600.0
+
+
+def ends_task(next_use: float | None) -> bool:
+    """Whether an idle signal, from a subagent, ends its task: its model answered (no hint), or
+    its hint says it is not back within ``TASK_OVER_S``."""
+    return next_use is None or next_use >= TASK_OVER_S
+
+
 def goes_idle(
     finish_reasons: Iterable[str | None], next_use: float | None, idle_after: float
 ) -> bool:
