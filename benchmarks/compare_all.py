@@ -36,20 +36,21 @@ LABELS = {
 }
 
 
-def cells(args: argparse.Namespace) -> list[tuple[str, bool, float]]:
-    """(file stem, ends, speed) per run."""
+def cells(args: argparse.Namespace) -> list[tuple[str, bool, float, str]]:
+    """(file stem, ends, speed, pools) per run."""
     out = []
     for ends in (False, True):
         for speed in (0.0, args.speed):
             clock = "sequential" if speed == 0 else f"clock{speed:g}"
-            out.append((f"compare_{'ends' if ends else 'no-ends'}_{clock}", ends, speed))
+            pools = args.clocked_pools if speed and args.clocked_pools else args.pools
+            out.append((f"compare_{'ends' if ends else 'no-ends'}_{clock}", ends, speed, pools))
     return out
 
 
-def run_cell(args: argparse.Namespace, stem: str, ends: bool, speed: float,
+def run_cell(args: argparse.Namespace, stem: str, ends: bool, speed: float, pools: str,
              scenarios: list[str]) -> dict[str, Any]:  # fmt: skip
     argv = [
-        "--traces", args.traces, "--api", "messages", "--pools", args.pools,
+        "--traces", args.traces, "--api", "messages", "--pools", pools,
         "--scale", str(args.scale), "--speed", str(speed), "--scenarios", ",".join(scenarios),
         "--out", args.out, "--name", stem, "--quiet",
     ]  # fmt: skip
@@ -59,6 +60,8 @@ def run_cell(args: argparse.Namespace, stem: str, ends: bool, speed: float,
         argv += ["--model", args.model]
     if args.limit:
         argv += ["--limit", str(args.limit)]
+    if args.sessions:
+        argv += ["--sessions", str(args.sessions)]
     if trace_replay.main(argv) != 0:
         raise SystemExit(f"{stem}: trace_replay failed")
     return json.loads((Path(args.out) / f"{stem}.json").read_text())
@@ -94,13 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", type=float, default=16.0, help="the clocked runs' speed-up")
     parser.add_argument("--model", help="a real model's folder (default: the small test model)")
     parser.add_argument("--limit", type=int, help="the first N calls of the trace only")
+    parser.add_argument("--sessions", type=int, help="the first N agent sessions only")
+    parser.add_argument("--clocked-pools", help="the clocked runs' pools (default: --pools)")
+    parser.add_argument("--no-peer", action="store_true", help="leave AgentInfer out")
     parser.add_argument("--out", default="benchmarks/results/compare")
     args = parser.parse_args(argv)
     if args.traces == "agentinfer" and (trace := agentinfer_trace()) is not None:
         args.traces = f"agentinfer={trace}"  # the package is in the peer's virtualenv
     scenarios = list(SCENARIOS)
     notes = []
-    if not (AGENTINFER_VENV / "bin" / "python").exists():
+    if args.no_peer:
+        scenarios.remove("agentinfer")
+        notes.append("AgentInfer left out (`--no-peer`).")
+    elif not (AGENTINFER_VENV / "bin" / "python").exists():
         scenarios.remove("agentinfer")
         notes.append(f"AgentInfer is not installed ({AGENTINFER_VENV}): `make peer-agentinfer`.")
     header = " | ".join(LABELS[s] for s in scenarios)
@@ -114,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         f"| run | trace | pool | {header} | plugin vs vanilla |",
         "|---|---|---:|" + "---:|" * len(scenarios) + "---|",
     ]
-    for stem, ends, speed in cells(args):
-        lines += verdicts(stem, run_cell(args, stem, ends, speed, scenarios))
+    for stem, ends, speed, pools in cells(args):
+        lines += verdicts(stem, run_cell(args, stem, ends, speed, pools, scenarios))
     report = "\n".join(lines) + "\n"
     (Path(args.out) / "compare.md").write_text(report)
     print(report)
