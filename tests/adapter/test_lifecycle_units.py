@@ -17,7 +17,13 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-from vllm_affinity.core.lifecycle import NextUseError, goes_idle, parse_next_use
+from vllm_affinity.core.lifecycle import (
+    TASK_OVER_S,
+    NextUseError,
+    ends_task,
+    goes_idle,
+    parse_next_use,
+)
 from vllm_affinity.lifecycle import IdleSignals, finish_reasons, watched
 
 
@@ -158,3 +164,9 @@ def test_a_responses_answer_in_chat_terms() -> None:
     assert finish_reasons(Answer(status="incomplete", output=[text])) == ["length"]
     event = Answer(type="response.completed", response=Answer(status="completed", output=[]))
     assert finish_reasons(event) == ["stop"]
+
+
+def test_a_subagents_task_ends_on_its_answer_or_an_hour_long_hint() -> None:
+    assert ends_task(None)  # the model answered
+    assert ends_task(TASK_OVER_S) and ends_task(2 * TASK_OVER_S)
+    assert not ends_task(17.0)  # a slow tool: back soon
