@@ -58,7 +58,10 @@ def test_each_format_vanilla_vs_plugin(
     assert result["meta"]["git_sha"] is not None and result["trace"]["format"] == fmt
     baseline, hooked = result["runs"]
     assert (baseline["side"], hooked["side"]) == ("baseline", "hooked")
-    assert result["trace"]["transitions"].get("rewrite", 0) > 0
+    # Mooncake has no session ids, and its reader never guesses a rewrite (another conversation
+    # with the same start would lose what it reads): the hook has nothing to release there
+    guessed = fmt == "mooncake"
+    assert guessed or result["trace"]["transitions"].get("rewrite", 0) > 0
     for run in (baseline, hooked):
         assert run["errors"] == 0 and run["calls"] == result["trace"]["requests"]
         assert 0 < run["hit_rate"] < 1 and run["hit_rate"] == pytest.approx(
@@ -71,7 +74,9 @@ def test_each_format_vanilla_vs_plugin(
     assert baseline["simulator"]["policy"] == "lru" and "releases" not in baseline
     assert hooked["simulator"]["policy"] == "lru_release"
     assert hooked["engine_state"] == "in_request"
-    assert hooked["releases"]["in_request"] > 0 and hooked["releases"]["not_applied"] == 0
+    releases = hooked.get("releases", {})
+    assert (guessed or releases["in_request"] > 0) and releases.get("not_applied", 0) == 0
+    assert hooked["computed_tokens"] <= baseline["computed_tokens"], (hooked, baseline)
 
 
 def test_coding_agent_on_messages_with_subagents(

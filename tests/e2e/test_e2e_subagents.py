@@ -26,7 +26,7 @@ from vllm_affinity.testing import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("clean_hook")]
 
-NEXT_USE = "X-KV-Next-Use"  # 0: back at once (a tool call); 60: the task or turn is over
+NEXT_USE = "X-KV-Next-Use"  # 0: back at once (a tool call); 3600: the task is over
 
 
 def wait_for(server: VLLMServer, what: str, done: Any) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def test_hook_subagent_protects_its_parent_and_its_end_releases_it(
                 chat(602)
             running = server.engine_stats()
             assert running["children"] == before["children"] + 1
-            with jiuwen_hooks.next_use(60):
+            with jiuwen_hooks.next_use(3600):  # an hour or more: done (less: a slow tool)
                 chat(603)  # its last call: the task is done
     after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
     released = after.get("block_released_child_end", 0) - before.get("block_released_child_end", 0)
@@ -91,7 +91,7 @@ def test_claude_code_headers_make_a_subagent_on_messages(vllm_affinity_server: V
         call(612, sub)
         running = server.engine_stats()
         assert running["children"] == before["children"] + 1
-        call(613, {**sub, NEXT_USE: "60"})
+        call(613, {**sub, NEXT_USE: "3600"})
     after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
     assert after.get("children_ended", 0) > before.get("children_ended", 0)
     assert after["segments"]["protected"] == 0
@@ -133,7 +133,7 @@ def test_a_subagents_end_keeps_its_instructions(vllm_affinity_server: VLLMServer
         instructions = call("Alpha", None)
         call(filler_text(random.Random(623), 60), lead)
         call(filler_text(random.Random(624), 150), sub)
-        call(filler_text(random.Random(625), 150), {**sub, NEXT_USE: "60"})  # its task is done
+        call(filler_text(random.Random(625), 150), {**sub, NEXT_USE: "3600"})  # its task is done
     after = wait_for(server, "the subagent's end", lambda s: s["children"] == before["children"])
 
     def delta(name: str) -> int:
