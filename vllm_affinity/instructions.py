@@ -38,7 +38,6 @@ class Instructions:
         self._responses = serving_responses
         self._max_sessions = max(1, max_sessions)
         self._tokens: OrderedDict[str, int] = OrderedDict()
-        self.renders = 0  # sessions rendered (tests and stats)
 
     async def tokens(self, session: str, request: Any) -> int:
         """Leading tokens of ``request``'s prompt that are its instructions (0: none or unknown)."""
@@ -51,7 +50,6 @@ class Instructions:
         except Exception:  # a template that cannot render a probe: release as before
             logger.debug("vllm_affinity: cannot render the instructions", exc_info=True)
             count = 0
-        self.renders += 1
         self._tokens[session] = count
         while len(self._tokens) > self._max_sessions:
             self._tokens.popitem(last=False)
