@@ -200,6 +200,27 @@ class Segments(BaseModel):
     protected: int = Field(ge=0)
 
 
+#: What each KV-cache group of an engine counts (``GroupStats``).
+GROUP_COUNTERS = ("blocks_released", "blocks_idled")
+
+
+class GroupStats(BaseModel):
+    """One KV-cache group of an engine: hybrid models (sliding window or linear attention beside
+    full attention) have several, each with its own blocks and block size."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group: int = Field(ge=0)
+    #: From vLLM's spec class: ``full_attention``, ``sliding_window``, ``mamba``, ...
+    kind: str
+    block_size: int = Field(ge=1)
+    #: Session-block pairs the tracked sessions' latest requests hold in this group.
+    bindings: int = Field(ge=0)
+    #: Released (moved or pending), by every path.
+    blocks_released: int = Field(ge=0)
+    blocks_idled: int = Field(ge=0)
+
+
 class EngineStats(BaseModel):
     """One engine core's entry of ``GET /affinity/stats`` (and the source of ``/metrics``).
     Besides these, every engine counter of ``COUNTER_NAMES`` appears under its own name."""
@@ -218,6 +239,8 @@ class EngineStats(BaseModel):
     bindings: int = Field(ge=0)
     sessions_evicted: int = Field(ge=0)
     num_blocks: int = Field(ge=0)
+    #: Per KV-cache group (one for Llama-style models).
+    groups: list[GroupStats] = Field(default_factory=list)
 
     def counter(self, name: str) -> int:
         """A counter's value (0 until the engine counts it). An undeclared name raises: a typo

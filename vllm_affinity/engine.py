@@ -26,32 +26,37 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import wrapt
 
 from jiuwen_kv_protocol.models import (
     COUNTER_NAMES,
+    GROUP_COUNTERS,
     EngineIdle,
     EngineRelease,
     EngineRestore,
     EngineStats,
+    GroupStats,
     ReleaseMode,
     Segments,
 )
 
 from .compat import check_supported_vllm
 from .core import (
+    HOLE,
     IdleResult,
     ReleaseResult,
     ReleaseSelection,
     Segment,
     SegmentedFreeBlockQueue,
     SessionBlocks,
-    first_divergent_block,
+    first_stale_block,
 )
 from .core.compaction import side_branch
 from .core.counters import Counters
+from .core.groups import KVGroup, kind_of
 from .core.idle_guard import IdleGuard
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
@@ -75,8 +80,12 @@ _applied = False
 
 
 class PoolAffinity:
-    """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), the session
-    table, and which blocks of each running request are already bound."""
+    """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), one
+    session table per KV-cache group (``core/groups.py``), and which blocks of each running
+    request are already bound.
+
+    Until the ``KVCacheManager`` names the groups (``attach_groups``), the pool is taken to have
+    one group at the hash block size, as a Llama-style model has."""
 
     def __init__(self, pool: Any, settings: Settings | None = None) -> None:
         settings = settings or Settings()
@@ -88,27 +97,50 @@ class PoolAffinity:
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
-        self.sessions = SessionBlocks(settings.max_sessions)
+        self._max_sessions = settings.max_sessions
+        self.groups: tuple[KVGroup, ...] = ()
+        self.tables: tuple[SessionBlocks, ...] = ()
+        self.attach_groups((KVGroup(0, "full_attention", pool.hash_block_size),))
         self.subagents = Subagents(settings.max_sessions)
         self._child_end = settings.child_end
         self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
-        self._bound: dict[str, int] = {}
+        self._bound: dict[str, tuple[int, ...]] = {}
         self.counters = Counters(COUNTER_NAMES)
 
-    def bind_request(self, session: str, request_id: str, blocks: list[Any], prompt: int) -> None:
-        """Record the request's blocks as its session's latest, once per growth of its block
-        list (not per token)."""
-        already = self._bound.get(request_id, 0)
-        if len(blocks) == already:
+    def attach_groups(self, groups: tuple[KVGroup, ...]) -> None:
+        """The model's KV-cache groups that prefix caching covers (before any request)."""
+        if not groups:
+            raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
+        self.groups = groups
+        self.tables = tuple(SessionBlocks(self._max_sessions) for _ in groups)
+        self._group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]
+
+    @property
+    def sessions(self) -> SessionBlocks:
+        """The first group's table: which sessions are known and their latest request (every
+        group's table records the same requests)."""
+        return self.tables[0]
+
+    def bind_request(
+        self, session: str, request_id: str, blocks: Sequence[list[Any]], prompt: int
+    ) -> None:
+        """Record the request's blocks (one list per vLLM group) as its session's latest, once
+        per growth of its block lists (not per token)."""
+        lengths = tuple(len(blocks[g.index]) for g in self.groups)
+        already = self._bound.get(request_id)
+        if lengths == already:
             return
-        for block in blocks[already:]:  # a live user again: must not go to RELEASED when freed
-            if not block.is_null:
-                self.queue.cancel_pending(block.block_id)
-        self._bound[request_id] = len(blocks)
-        ids = [b.block_id for b in blocks if not b.is_null]
-        self.sessions.record(session, ids, prompt, request_id)
+        for position, (group, table) in enumerate(zip(self.groups, self.tables, strict=True)):
+            group_blocks = blocks[group.index]
+            start = already[position] if already else 0
+            for block in group_blocks[start:]:  # a live user again: not RELEASED when freed
+                if not block.is_null:
+                    self.queue.cancel_pending(block.block_id)
+            ids = [HOLE if b.is_null else b.block_id for b in group_blocks]
+            table.record(session, ids, prompt, request_id)
+        self._bound[request_id] = lengths
 
     def is_bound(self, request_id: str) -> bool:
         return request_id in self._bound
@@ -116,19 +148,28 @@ class PoolAffinity:
     def request_done(self, session: str, request_id: str) -> None:
         """The request freed its blocks (finished, aborted or preempted)."""
         self._bound.pop(request_id, None)
-        self.sessions.request_finished(session, request_id)
+        for table in self.tables:
+            table.request_finished(session, request_id)
 
-    def release(
+    def release(self, session: str, first_block: int, mode: ReleaseMode = "post") -> EngineRelease:
+        """Release the session's latest blocks after its first ``first_block`` hash blocks
+        (block indices, for a one-group model), in every group."""
+        return self._release_groups(session, [g.block_of(first_block) for g in self.groups], mode)
+
+    def _release_groups(
         self,
         session: str,
-        first_block: int,
-        mode: ReleaseMode = "post",
-        also: ReleaseSelection | None = None,
+        first_blocks: Sequence[int],
+        mode: ReleaseMode,
+        also: Sequence[ReleaseSelection] = (),
     ) -> EngineRelease:
-        """Release the session's latest blocks from block index ``first_block`` on (and the
-        blocks ``also`` selected, in the same release)."""
-        selection = self.sessions.select_release(session, first_block)
-        return self._apply(selection, first_block, mode, also)
+        """Release the session's latest blocks of each group from that group's block index in
+        ``first_blocks`` on (and the blocks ``also`` selected, in the same release)."""
+        selections = [
+            table.select_release(session, first)
+            for table, first in zip(self.tables, first_blocks, strict=True)
+        ]
+        return self._apply(selections, first_blocks, mode, also)
 
     def release_divergent(
         self,
@@ -136,25 +177,23 @@ class PoolAffinity:
         chain: list[Any],
         mode: ReleaseMode,
         require_common_prefix: bool = False,
-        also: ReleaseSelection | None = None,
+        also: Sequence[ReleaseSelection] = (),
     ) -> EngineRelease:
-        """Release the session's latest blocks from the first one ``chain`` (a prompt's block
-        hashes) cannot hit. ``require_common_prefix``: a chain that shares not even its first
-        block with the session's cache is a different prompt (template, salt), not a cut of it:
-        answer ``record_mismatch`` and release nothing. ``also``: blocks selected elsewhere,
-        released with these."""
+        """Release the session's latest blocks, in every group, from the first one ``chain`` (a
+        prompt's block hashes) cannot hit. ``require_common_prefix``: a chain that shares not
+        even one block with the session's cache is a different prompt (template, salt), not a
+        cut of it: answer ``record_mismatch`` and release nothing. ``also``: blocks selected
+        elsewhere, released with these."""
         started = time.perf_counter()
         record = self.sessions.latest.get(session)
         if record is None:
-            result = self._apply(ReleaseSelection(status="unknown_session"), 0, mode, also)
+            result = self._apply([ReleaseSelection(status="unknown_session")], (0,), mode, also)
         else:
-            first = first_divergent_block(
-                (self._hash_of(block_id) for block_id in record.block_ids), chain
-            )
-            if require_common_prefix and first == 0 and chain:
-                result = self._apply(ReleaseSelection(status="record_mismatch"), 0, mode)
+            firsts = self._first_stale(session, chain)
+            if require_common_prefix and chain and not self._any_hit(session, firsts):
+                result = self._apply([ReleaseSelection(status="record_mismatch")], (0,), mode)
             else:
-                result = self.release(session, first, mode, also)
+                result = self._release_groups(session, firsts, mode, also)
             result.prompt_tokens = record.num_prompt_tokens
         # time spent in the engine core on this path (what a hinted request adds to its step)
         self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
@@ -165,33 +204,36 @@ class PoolAffinity:
         session's side branch is dead (released first, so blocks it shared with the main
         thread go too), then the main thread's blocks ``chain`` cannot hit. Also when ``chain``
         shares no block with them: the agent said the old window is gone."""
-        side = self.sessions.select_release(side_branch(session), 0)
-        self.sessions.forget(side_branch(session))
+        branch = side_branch(session)
+        side = [table.select_release(branch, 0) for table in self.tables]
+        for table in self.tables:
+            table.forget(branch)
         return self.release_divergent(session, chain, "compaction", also=side)
 
     def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
         """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot
-        hit, demoted by an earlier release and not reused since, go back to the most-recently-
-        used end of NORMAL. Blocks already reused are gone: this server has no second tier to
-        load them from."""
-        record = self.sessions.latest.get(session)
-        if record is None:
-            status, first, restored = "unknown_session", 0, 0
+        hit (in every group), demoted by an earlier release and not reused since, go back to
+        the most-recently-used end of NORMAL. Blocks already reused are gone: this server has
+        no second tier to load them from."""
+        if session not in self.sessions.latest:
+            status, firsts, restored = "unknown_session", [0], 0
         else:
-            first = first_divergent_block(
-                (self._hash_of(block_id) for block_id in record.block_ids), chain
-            )
+            firsts = self._first_stale(session, chain)
             blocks = self.pool.blocks
-            unreused = self.sessions.unreused(session, first)
-            restored = sum(self.queue.restore(blocks[b]) for b in unreused)
+            restored = sum(
+                self.queue.restore(blocks[b])
+                for table, first in zip(self.tables, firsts, strict=True)
+                for b in table.unreused(session, first)
+            )
             status = "ok"
         self.counters.add("restores", 1)
         self.counters.add("blocks_restored", restored)
-        return EngineRestore(status=status, blocks_restored=restored, first_stale_block=first)
+        return EngineRestore(status=status, blocks_restored=restored, first_stale_block=firsts[0])
 
     def idle_session(self, session: str, ends_task: bool = True) -> EngineIdle:
-        """The session waits on its user: its own blocks go to IDLE, tail first, reused after
-        released blocks and before any live session's. Shared blocks and blocks in use stay.
+        """The session waits on its user: its own blocks (every group's) go to IDLE, tail first,
+        reused after released blocks and before any live session's. Shared blocks and blocks in
+        use stay.
 
         A subagent (a session that named a parent) whose signal ``ends_task`` (its model
         answered, or its hint says it is not back within the hour) has ended its task instead:
@@ -206,20 +248,35 @@ class PoolAffinity:
             record = self.sessions.latest.get(session)
             if self._child_end == "release" and record is not None and record.request_id is None:
                 result = self.release(session, head, "child_end")
-                self.counters.add("blocks_kept_instructions", min(head, len(record.block_ids)))
+                self.counters.add("blocks_kept_instructions", self._kept_before(session, head))
                 return EngineIdle(
                     status=result.status, blocks_idled=0, kept_shared=result.kept_shared
                 )
-        selection = self.sessions.select_idle(session)
-        if selection.status == "ok" and not self._worth_idling(session):
+        selections = [table.select_idle(session) for table in self.tables]
+        status = selections[0].status
+        if status == "ok" and not self._worth_idling(session):
             self.counters.add("idles_returns_soon", 1)
             return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
-        blocks = self.pool.blocks
-        moved = sum(self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids)
-        self.counters.add(f"idles_{selection.status}", 1)
+        blocks, moved = self.pool.blocks, 0
+        for counts, selection in zip(self._group_counts, selections, strict=True):
+            group_moved = sum(
+                self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids
+            )
+            counts["blocks_idled"] += group_moved
+            moved += group_moved
+        self.counters.add(f"idles_{status}", 1)
         self.counters.add("blocks_idled", moved)
         return EngineIdle(
-            status=selection.status, blocks_idled=moved, kept_shared=selection.kept_shared
+            status=status,
+            blocks_idled=moved,
+            kept_shared=sum(selection.kept_shared for selection in selections),
+        )
+
+    def _kept_before(self, session: str, head: int) -> int:
+        """Blocks the session still holds before its instructions' end, over every group."""
+        return sum(
+            len(table.unreused(session, 0)) - len(table.unreused(session, group.block_of(head)))
+            for group, table in zip(self.groups, self.tables, strict=True)
         )
 
     def _worth_idling(self, session: str) -> bool:
@@ -238,13 +295,14 @@ class PoolAffinity:
             self._protect(change.protect)
 
     def _protect(self, parent: str) -> None:
-        """The parent's blocks (prefix first, the part a hit needs) go to PROTECTED, within the
-        cap; blocks in use or already demoted by a release stay as they are."""
+        """The parent's blocks (prefix first, the part a hit needs; group by group) go to
+        PROTECTED, within the cap; blocks in use or already demoted by a release stay as they
+        are."""
         room = self.protect_cap - self.queue.segment_sizes()["protected"]
         if room <= 0:
             return
         blocks, moved = self.pool.blocks, 0
-        for block_id in self.sessions.unreused(parent, 0):
+        for block_id in self._unreused(parent):
             if moved >= room:
                 break
             moved += self.queue.protect(blocks[block_id])
@@ -255,39 +313,84 @@ class PoolAffinity:
         """The parent stops waiting: its PROTECTED blocks go back to the most-recently-used end
         of NORMAL (it calls again soon)."""
         blocks = self.pool.blocks
-        for block_id in self.sessions.unreused(parent, 0):
+        for block_id in self._unreused(parent):
             block = blocks[block_id]
             if self.queue.segment_of(block) is Segment.PROTECTED:
                 self.queue.restore(block)
 
-    def _hash_of(self, block_id: int) -> Any:
-        block_hash = self.pool.blocks[block_id].block_hash
-        return None if block_hash is None else self._strip_group(block_hash)
+    def _unreused(self, session: str) -> list[int]:
+        return [b for table in self.tables for b in table.unreused(session, 0)]
+
+    def _first_stale(self, session: str, chain: list[Any]) -> list[int]:
+        """Per group, the index of the session's first block ``chain`` cannot hit."""
+        return [
+            first_stale_block(self._entries(group, table, session), chain)
+            for group, table in zip(self.groups, self.tables, strict=True)
+        ]
+
+    def _any_hit(self, session: str, firsts: Sequence[int]) -> bool:
+        """Whether ``firsts`` (from ``_first_stale``) keep at least one block of some group."""
+        for table, first in zip(self.tables, firsts, strict=True):
+            record = table.latest.get(session)
+            if record is not None and any(b != HOLE for b in record.block_ids[:first]):
+                return True
+        return False
+
+    def _entries(
+        self, group: KVGroup, table: SessionBlocks, session: str
+    ) -> list[tuple[Any, int] | None]:
+        """The session's record in ``group`` as ``first_stale_block`` reads it: per index, no
+        block (a hole), or the block's hash (without its group id) and how many hash blocks it
+        covers from the prompt's start."""
+        record = table.latest.get(session)
+        if record is None:
+            return []
+        blocks, strip, unit = self.pool.blocks, self._strip_group, self.pool.hash_block_size
+        entries: list[tuple[Any, int] | None] = []
+        for index, block_id in enumerate(record.block_ids):
+            if block_id == HOLE:
+                entries.append(None)
+                continue
+            block = blocks[block_id]
+            block_hash = block.block_hash
+            tokens = getattr(block, "block_hash_num_tokens", None)  # from the prompt's start
+            end = tokens // unit if tokens else (index + 1) * group.scale
+            entries.append((None if block_hash is None else strip(block_hash), end))
+        return entries
 
     def _apply(
         self,
-        selection: ReleaseSelection,
-        first_block: int,
+        selections: Sequence[ReleaseSelection],
+        first_blocks: Sequence[int],
         mode: ReleaseMode,
-        also: ReleaseSelection | None = None,
+        also: Sequence[ReleaseSelection] = (),
     ) -> EngineRelease:
-        """Release ``selection``'s blocks (and ``also``'s, counted as one release)."""
-        block_ids = selection.block_ids + (also.block_ids if also else [])
-        results = Counter(self.queue.release(self.pool.blocks[b]) for b in block_ids)
-        moved, pending = results[ReleaseResult.MOVED], results[ReleaseResult.PENDING]
+        """Release every group's selected blocks (and ``also``'s, counted as one release)."""
+        moved = pending = 0
+        for per_group in (selections, also):  # both: one selection per group, in group order
+            for counts, selection in zip(self._group_counts, per_group, strict=False):
+                results = Counter(
+                    self.queue.release(self.pool.blocks[b]) for b in selection.block_ids
+                )
+                counts["blocks_released"] += (
+                    results[ReleaseResult.MOVED] + results[ReleaseResult.PENDING]
+                )
+                moved += results[ReleaseResult.MOVED]
+                pending += results[ReleaseResult.PENDING]
+        status = selections[0].status
         self.counters.add("releases", 1)
-        self.counters.add(f"releases_{selection.status}", 1)
+        self.counters.add(f"releases_{status}", 1)
         self.counters.add(f"releases_{mode}", 1)
         self.counters.add("blocks_moved", moved)
         self.counters.add("blocks_pending", pending)
         self.counters.add(f"block_released_{mode}", moved + pending)
         return EngineRelease(
-            status=selection.status,
+            status=status,
             block_released=moved + pending,
             moved=moved,
             pending=pending,
-            kept_shared=selection.kept_shared + (also.kept_shared if also else 0),
-            first_stale_block=first_block,
+            kept_shared=sum(s.kept_shared for s in [*selections, *also]),
+            first_stale_block=first_blocks[0],
         )
 
     def on_new_request(self, request: Any, release_on_divergence: bool) -> None:
@@ -313,6 +416,20 @@ class PoolAffinity:
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")
 
+    def group_stats(self) -> list[GroupStats]:
+        return [
+            GroupStats(
+                group=group.index,
+                kind=group.kind,
+                block_size=group.block_size,
+                bindings=table.bindings,
+                **counts,
+            )
+            for group, table, counts in zip(
+                self.groups, self.tables, self._group_counts, strict=True
+            )
+        ]
+
     def stats(self) -> EngineStats:
         return EngineStats(
             segments=Segments(**self.queue.segment_sizes()),
@@ -321,16 +438,21 @@ class PoolAffinity:
             protected_reused=self.queue.protected_reused,
             children=len(self.subagents),
             sessions=len(self.sessions),
-            bindings=self.sessions.bindings,
+            bindings=sum(table.bindings for table in self.tables),
             sessions_evicted=self.sessions.evicted,
             num_blocks=self.pool.num_gpu_blocks,
+            groups=self.group_stats(),
             **self.counters.as_dict(),
         )
 
     def check(self, idle: bool) -> list[str]:
-        """Invariant violations of the pool, the queue and the session table (empty when all
+        """Invariant violations of the pool, the queue and the session tables (empty when all
         hold). ``idle``: no request is running, so nothing may be in use or pending."""
-        queue, problems = self.queue, self.sessions.check() + self.subagents.check()
+        queue = self.queue
+        problems = [p for table in self.tables for p in table.check()] + self.subagents.check()
+        known = [set(table.latest) for table in self.tables]
+        if any(k != known[0] for k in known):
+            problems.append("the groups' session tables know different sessions")
         sizes = queue.segment_sizes()
         if sum(sizes.values()) != queue.num_free_blocks:
             problems.append(f"segments {sizes} do not sum to {queue.num_free_blocks} free")
@@ -376,8 +498,31 @@ def _session_of(request: Any) -> str | None:
 
 
 def _bind(state: PoolAffinity, session: str, manager: Any, request: Any) -> None:
-    blocks = manager.coordinator.get_blocks(request.request_id)[0]
+    blocks = manager.coordinator.get_blocks(request.request_id)
     state.bind_request(session, request.request_id, blocks, request.num_prompt_tokens)
+
+
+def describe_groups(coordinator: Any) -> tuple[KVGroup, ...]:
+    """The coordinator's KV-cache groups that prefix caching covers, at their own block sizes
+    (a group that opts out, such as a circular indexer buffer, holds per-request scratch: no
+    session keeps it)."""
+    hash_block_size = coordinator.block_pool.hash_block_size
+    groups = []
+    for index, (manager, group) in enumerate(
+        zip(
+            coordinator.single_type_managers,
+            coordinator.kv_cache_config.kv_cache_groups,
+            strict=True,
+        )
+    ):
+        spec = group.kv_cache_spec
+        if not getattr(spec, "prefix_cacheable", True):
+            continue
+        block_size = manager.block_size
+        groups.append(
+            KVGroup(index, kind_of(type(spec).__name__), block_size, block_size // hash_block_size)
+        )
+    return tuple(groups)
 
 
 # -- wrappers --------------------------------------------------------------------------------
@@ -391,11 +536,21 @@ def _make_block_pool_init(settings: Settings) -> Any:
     return _block_pool_init
 
 
+def _kv_cache_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    """The manager's coordinator knows the model's KV-cache groups: every one is tracked."""
+    wrapped(*args, **kwargs)
+    state = affinity_of(instance.block_pool)
+    if state is not None and instance.enable_caching:
+        state.attach_groups(describe_groups(instance.coordinator))
+
+
 def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     blocks = wrapped(*args, **kwargs)
     state = affinity_of(instance)
     if state is not None:
-        state.sessions.unbind(b.block_id for b in blocks)
+        ids = [b.block_id for b in blocks]
+        for table in state.tables:
+            table.unbind(ids)
     return blocks
 
 
@@ -525,6 +680,7 @@ def apply_engine_patches() -> None:
     settings = Settings.from_env()
     wrapt.wrap_function_wrapper(BlockPool, "__init__", _make_block_pool_init(settings))
     wrapt.wrap_function_wrapper(BlockPool, "get_new_blocks", _get_new_blocks)
+    wrapt.wrap_function_wrapper(KVCacheManager, "__init__", _kv_cache_manager_init)
     wrapt.wrap_function_wrapper(KVCacheManager, "allocate_slots", _allocate_slots)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)

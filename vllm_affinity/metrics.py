@@ -67,6 +67,13 @@ class _EngineCollector:
             "Blocks of parents waiting on running subagents moved to the PROTECTED segment",
             labels=["engine"],
         )
+        group_blocks = CounterMetricFamily(
+            "vllm_affinity_engine_group_blocks",
+            "Blocks released (moved or pending) or idled, per KV-cache group of the model "
+            "(hybrid models have several: sliding window or linear attention beside full "
+            "attention)",
+            labels=["group", "kind", "action", "engine"],
+        )
         children = GaugeMetricFamily(
             "vllm_affinity_running_subagents",
             "Subagent sessions that named a parent and have not ended their task",
@@ -94,6 +101,10 @@ class _EngineCollector:
             idled.add_metric([engine], stats.counter("blocks_idled"))
             protected.add_metric([engine], stats.counter("blocks_protected"))
             children.add_metric([engine], stats.children)
+            for group in stats.groups:
+                labels = [str(group.group), group.kind]
+                group_blocks.add_metric([*labels, "released", engine], group.blocks_released)
+                group_blocks.add_metric([*labels, "idled", engine], group.blocks_idled)
             for mode in RELEASE_MODES:
                 releases.add_metric([mode, engine], stats.counter(f"releases_{mode}"))
                 released.add_metric([mode, engine], stats.counter(f"block_released_{mode}"))
@@ -105,6 +116,7 @@ class _EngineCollector:
         yield restored
         yield idled
         yield protected
+        yield group_blocks
         yield children
         yield sessions
         yield bindings

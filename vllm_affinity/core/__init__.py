@@ -4,10 +4,11 @@ from jiuwen_kv_protocol.hint import HintError, ReleaseHint
 
 from .placement import engine_rank
 from .queue import IdleResult, ReleaseResult, Segment, SegmentedFreeBlockQueue
-from .sessions import ReleaseSelection, SessionBlocks
-from .tokens import common_prefix_length, first_divergent_block
+from .sessions import HOLE, ReleaseSelection, SessionBlocks
+from .tokens import common_prefix_length, first_divergent_block, first_stale_block
 
 __all__ = [
+    "HOLE",
     "HintError",
     "IdleResult",
     "ReleaseHint",
@@ -19,4 +20,5 @@ __all__ = [
     "common_prefix_length",
     "engine_rank",
     "first_divergent_block",
+    "first_stale_block",
 ]

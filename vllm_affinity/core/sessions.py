@@ -20,6 +20,13 @@ one after the other: a subagent's system prompt that the next subagent hit) is n
 for release or idling, even when no record holds it any more. A session's release says its own
 context is dead; content other sessions have used is not its to declare dead, and the queue's LRU
 order decides for it. The mark lasts until the block is reused for new content.
+
+Holes: a record is positional (index i covers the same tokens in every request of its KV-cache
+group), and vLLM leaves a null block where a request holds none (a sliding window's blocks
+before the window, the Mamba states it keeps no copy of). Those indices are ``HOLE`` in the
+record and hold nothing. A block that a *running* request's table drops for a null one (it left
+the sliding window, or a newer Mamba state retired it) is freed early by vLLM with its hash: it
+stays the session's in the record, since a later prompt can still hit it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from .compaction import owner_of
 
 #: ``running``: an idle selection of a session whose request runs (nothing selected).
 SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
+
+#: A record index where the request holds no block (vLLM's null block).
+HOLE = -1
 
 
 @dataclass(slots=True)
@@ -83,8 +93,12 @@ class SessionBlocks:
     ) -> None:
         """The session's latest request (``request_id``) now holds exactly ``block_ids``. A
         request that only grew since it was last recorded (still running: none of its blocks can
-        have been reused) costs only its new blocks."""
+        have been reused) costs only its new blocks. ``HOLE`` marks an index without a block;
+        where the same running request held one there before, the record keeps it (see the
+        module's docstring)."""
         old = self.latest.get(session)
+        if old is not None and old.request_id is not None and old.request_id == request_id:
+            block_ids = self._kept_where_dropped(old, block_ids)
         if (
             old is not None
             and old.request_id is not None
@@ -107,6 +121,17 @@ class SessionBlocks:
             _, evicted = self.latest.popitem(last=False)
             self._let_go(evicted, 0)
             self.evicted += 1
+
+    def _kept_where_dropped(self, old: SessionRecord, block_ids: Sequence[int]) -> list[int]:
+        """``block_ids`` with each hole the running request had a block at (still unreused)
+        filled with that block."""
+        merged = list(block_ids)
+        generation = self._generation
+        for i in range(min(old.held, len(merged))):
+            kept = old.block_ids[i]
+            if merged[i] == HOLE and kept != HOLE and generation.get(kept, 0) == old.generations[i]:
+                merged[i] = kept
+        return merged
 
     def request_finished(self, session: str, request_id: str) -> None:
         """The request freed its blocks (finished, aborted or preempted): they may be reused, so
@@ -156,8 +181,8 @@ class SessionBlocks:
         holders, generation, shared_blocks = self._holders, self._generation, self._shared
         for i in reversed(range(record.held)):
             block_id = record.block_ids[i]
-            if generation.get(block_id, 0) != record.generations[i]:
-                continue  # reused since
+            if block_id == HOLE or generation.get(block_id, 0) != record.generations[i]:
+                continue  # no block here, or reused since
             if holders.get(block_id, 0) == 1 and block_id not in shared_blocks:
                 own.append(block_id)
             else:
@@ -174,21 +199,26 @@ class SessionBlocks:
         return [
             block_id
             for i, block_id in enumerate(record.block_ids[first_block:], first_block)
-            if generation.get(block_id, 0) == record.generations[i]
+            if block_id != HOLE and generation.get(block_id, 0) == record.generations[i]
         ]
 
     # -- internals ----------------------------------------------------------------------------
     def _hold(self, session: str, record: SessionRecord, block_ids: Sequence[int]) -> None:
         holders, generation, first_holder = self._holders, self._generation, self._first_holder
         owner = owner_of(session)  # a side branch shares its own session's blocks freely
+        bound = 0
         for block_id in block_ids:
             record.block_ids.append(block_id)
+            if block_id == HOLE:
+                record.generations.append(0)
+                continue
+            bound += 1
             record.generations.append(generation.get(block_id, 0))
             holders[block_id] = holders.get(block_id, 0) + 1
             if first_holder.setdefault(block_id, owner) != owner:
                 self._shared.add(block_id)
         record.held = len(record.block_ids)
-        self.bindings += len(block_ids)
+        self.bindings += bound
 
     def _let_go(self, record: SessionRecord, first: int) -> tuple[list[int], int]:
         """The record stops holding its blocks from index ``first`` on; returns the blocks no
@@ -198,8 +228,8 @@ class SessionBlocks:
         holders, generation, shared = self._holders, self._generation, self._shared
         for i in range(first, record.held):
             block_id = record.block_ids[i]
-            if generation.get(block_id, 0) != record.generations[i]:
-                continue  # reused since: this record does not hold the new content
+            if block_id == HOLE or generation.get(block_id, 0) != record.generations[i]:
+                continue  # no block, or reused since: this record does not hold the new content
             count = holders.get(block_id, 0) - 1
             self.bindings -= 1
             if count > 0:
@@ -221,6 +251,8 @@ class SessionBlocks:
         for record in self.latest.values():
             for i in range(record.held):
                 block_id = record.block_ids[i]
+                if block_id == HOLE:
+                    continue
                 if self._generation.get(block_id, 0) == record.generations[i]:
                     counts[block_id] = counts.get(block_id, 0) + 1
         problems = [

@@ -39,3 +39,28 @@ def first_divergent_block(cached: Iterable[Hashable | None], chain: Sequence[Has
             return index
         count = index + 1
     return count
+
+
+def first_stale_block(
+    cached: Iterable[tuple[Hashable | None, int] | None], chain: Sequence[Hashable]
+) -> int:
+    """``first_divergent_block`` for one KV-cache group of a hybrid model, whose blocks may span
+    several of ``chain``'s hash blocks (the group's block size is a multiple of the pool's hash
+    block size, at which requests carry their hashes) and whose record has holes.
+
+    ``cached``: per index of the group's record, ``None`` where the request holds no block
+    (vLLM's null block: before a sliding window, a Mamba state it kept no copy of), else the
+    block's hash (``None``: not cached) and how many hash blocks that hash covers from the
+    prompt's start (its block's end, or a finer boundary inside it for a Mamba state cached at
+    one). Holes are skipped: each block is compared with the chain's hash at its own boundary,
+    and hash chains are prefix-closed, so every block after the first stale one is stale too.
+    """
+    count = 0
+    for index, entry in enumerate(cached):
+        count = index + 1
+        if entry is None:
+            continue
+        block_hash, end = entry
+        if block_hash is None or end > len(chain) or block_hash != chain[end - 1]:
+            return index
+    return count

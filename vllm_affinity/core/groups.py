@@ -1,0 +1,46 @@
+"""Pure core: the KV-cache groups of a model, as the session table sees them (no vLLM import).
+
+A hybrid model (gpt-oss and Gemma 3: sliding-window beside full-attention layers; Qwen3-Next,
+Nemotron-H, Granite 4: linear attention beside full attention) has one KV-cache group per kind of
+layer. vLLM gives each request one block table per group, all drawn from one block pool, and
+hashes blocks per group at the group's own block size (a multiple of the pool's hash block size).
+A session's blocks are therefore tracked per group (one ``SessionBlocks`` each), and every
+release, idle, protect and restore acts on every group, each from its own first stale block.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV-cache group: vLLM's group index, its kind (from its spec class: ``full_attention``,
+    ``sliding_window``, ``mamba``, ``mla_attention``, ...), its block size in tokens and in hash
+    blocks (``scale``: a request's block hashes are at the pool's hash block size)."""
+
+    index: int
+    kind: str
+    block_size: int
+    scale: int = 1  # block_size // the pool's hash block size
+
+    def __post_init__(self) -> None:
+        if self.scale < 1 or self.block_size < 1:
+            raise ValueError(
+                f"group {self.index}: block size {self.block_size}, scale {self.scale}"
+            )
+
+    def block_of(self, hash_blocks: int) -> int:
+        """The index of this group's block that holds hash block ``hash_blocks`` (the first
+        block of a cut at that many hash blocks, straddling or not)."""
+        return hash_blocks // self.scale
+
+    def label(self) -> str:
+        return f"{self.index}:{self.kind}"
+
+
+def kind_of(spec_class_name: str) -> str:
+    """``SlidingWindowSpec`` → ``sliding_window``: a stable label for metrics and docs."""
+    name = spec_class_name.removesuffix("Spec")
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
