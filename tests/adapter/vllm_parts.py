@@ -83,3 +83,27 @@ def state_of(manager: KVCacheManager) -> Any:
     state = affinity_of(manager.block_pool)
     assert state is not None
     return state
+
+
+def make_hybrid_manager(
+    num_blocks: int, specs: list[Any], hash_block_size: int = BLOCK, scheduler_block_size: int = 0
+) -> KVCacheManager:
+    """A KVCacheManager over several KV-cache groups (one per spec), as vLLM builds it for a
+    hybrid model: one block pool, one single-type manager per group."""
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=4096,
+        scheduler_block_size=scheduler_block_size or max(s.block_size for s in specs),
+        hash_block_size=hash_block_size,
+        enable_caching=True,
+    )
+
+
+def group_block_ids(manager: KVCacheManager, request: Request) -> tuple[list[int], ...]:
+    """The request's block ids, one list per group (0 where vLLM holds the null block)."""
+    return tuple(list(ids) for ids in manager.get_block_ids(request.request_id))

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from vllm_affinity.core import SessionBlocks, common_prefix_length
+from vllm_affinity.core import HOLE, SessionBlocks, common_prefix_length, first_stale_block
 
 
 def table_with(*sessions: tuple[str, list[int]]) -> SessionBlocks:
@@ -245,3 +245,55 @@ def test_a_million_sessions_stay_bounded() -> None:
     per_session = sizes[1] / len(table)
     print(f"retained {sizes[1]:,} bytes: {per_session:.0f} per tracked session (9 blocks)")
     assert per_session < 1_000
+
+
+def test_holes_hold_nothing_and_keep_positions() -> None:
+    table = SessionBlocks()
+    table.record("A", [HOLE, HOLE, 7, 8], 64, "r1")
+    assert table.bindings == 2
+    assert table.select_release("A", 3).block_ids == [8]
+    assert table.select_release("A", 0).block_ids == [7]
+    assert not table.check()
+
+
+def test_a_block_the_running_request_dropped_stays_the_sessions() -> None:
+    """A sliding window's block leaves the window (vLLM puts its null block there): the
+    record keeps it; once the block is reused for new content, it does not."""
+    table = SessionBlocks()
+    table.record("A", [1, 2, 3], 96, "r1")
+    table.record("A", [HOLE, 2, 3, 4], 96, "r1")
+    assert list(table.latest["A"].block_ids) == [1, 2, 3, 4]
+    table.record("A", [HOLE, HOLE, 3, 4, 5], 96, "r1")
+    assert list(table.latest["A"].block_ids) == [1, 2, 3, 4, 5]
+    table.unbind([1])  # reused
+    table.record("A", [HOLE, HOLE, HOLE, 4, 5, 6], 96, "r1")
+    assert list(table.latest["A"].block_ids) == [HOLE, 2, 3, 4, 5, 6]
+    assert table.bindings == 5
+    assert not table.check()
+
+
+def test_a_new_request_does_not_inherit_the_old_ones_blocks() -> None:
+    table = SessionBlocks()
+    table.record("A", [1, 2, 3], 96, "r1")
+    table.request_finished("A", "r1")
+    table.record("A", [HOLE, 2, 9], 96, "r2")
+    assert list(table.latest["A"].block_ids) == [HOLE, 2, 9]
+    assert table.holders(1) == 0
+    assert not table.check()
+
+
+def test_first_stale_block_skips_holes_and_reads_each_blocks_boundary() -> None:
+    chain = ["h0", "h1", "h2", "h3", "h4", "h5"]
+    # one hash block per block, as for a Llama-style model
+    assert first_stale_block([("h0", 1), ("h1", 2), ("x", 3)], chain) == 2
+    # holes (a sliding window's null blocks) are skipped, compared blocks decide
+    assert first_stale_block([None, None, ("h2", 3), ("h3", 4)], chain) == 4
+    assert first_stale_block([None, ("x", 2)], chain) == 1
+    # blocks of two hash blocks each (a group with a larger block size)
+    assert first_stale_block([("h1", 2), ("h3", 4), ("h5", 6)], chain) == 3
+    assert first_stale_block([("h1", 2), ("h3", 4), ("h5", 6)], chain[:5]) == 2
+    # a Mamba state cached at a finer boundary inside its block
+    assert first_stale_block([None, ("h2", 3)], chain) == 2
+    # an uncached block (the partial tail) is stale, as is anything past the chain
+    assert first_stale_block([("h0", 1), (None, 2)], chain) == 1
+    assert first_stale_block([], chain) == 0

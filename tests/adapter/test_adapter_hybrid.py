@@ -1,0 +1,178 @@
+"""Hybrid models on the real vLLM classes (no model): several KV-cache groups in one pool, as
+gpt-oss and Gemma 3 (sliding window beside full attention) and DeepSeek V3.2 (MLA beside its
+sparse-attention indexer) have them. Every group's blocks are bound to the session, and every
+path acts on every group from its own first stale block."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    SparseCacheRole,
+)
+from vllm_parts import (
+    BLOCK,
+    generate,
+    make_hybrid_manager,
+    make_manager,
+    make_request,
+    run_prefill,
+    state_of,
+    tokens,
+)
+
+from vllm_affinity.core import HOLE, Segment
+from vllm_affinity.engine import HINT_KEY, apply_engine_patches
+
+apply_engine_patches()
+
+WINDOW = 2 * BLOCK
+
+
+def full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def sliding() -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=WINDOW
+    )
+
+
+def mla(head_size: int, role: SparseCacheRole = SparseCacheRole.SPARSE) -> MLAAttentionSpec:
+    return MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=head_size, dtype=torch.float32, cache_role=role
+    )
+
+
+def finished_turn(manager: Any, prompt: list[int], session: str, decode: int = 4) -> Any:
+    request = make_request(prompt, session=session)
+    run_prefill(manager, request)
+    generate(manager, request, decode)
+    manager.free(request)
+    return request
+
+
+def held(state: Any, session: str) -> list[list[int]]:
+    """Per group, the block ids the session's record holds (holes left out)."""
+    out = []
+    for table in state.tables:
+        record = table.latest[session]
+        out.append([b for b in record.block_ids[: record.held] if b != HOLE])
+    return out
+
+
+def hinted(prompt: list[int], session: str) -> Any:
+    params = SamplingParams(max_tokens=4, extra_args={HINT_KEY: "messages_released_index=1"})
+    return make_request(prompt, session=session, sampling_params=params)
+
+
+def test_the_groups_are_read_from_the_coordinator() -> None:
+    state = state_of(make_hybrid_manager(64, [sliding(), full()]))
+    assert [(g.index, g.kind, g.block_size) for g in state.groups] == [
+        (0, "sliding_window", BLOCK),
+        (1, "full_attention", BLOCK),
+    ]
+    assert [g.kind for g in state_of(make_manager(8)).groups] == ["full_attention"]
+
+
+def test_sliding_window_blocks_that_left_the_window_stay_the_sessions() -> None:
+    """vLLM frees a sliding-window block once it leaves the window (still cached): the
+    session's record keeps it, so a release or an idle reaches it."""
+    manager = make_hybrid_manager(64, [sliding(), full()])
+    finished_turn(manager, tokens(0, 8), "A")
+    state = state_of(manager)
+    sliding_held, full_held = held(state, "A")
+    assert len(full_held) == 9  # 8 prompt blocks and the partial one of the answer
+    assert len(sliding_held) == 9  # not only the window's last blocks
+    assert not state.check(idle=True)
+
+
+def test_a_compaction_releases_every_groups_stale_blocks_and_keeps_the_prefix() -> None:
+    manager = make_hybrid_manager(64, [sliding(), full()])
+    old = tokens(0, 8)
+    finished_turn(manager, old, "A")
+    state = state_of(manager)
+    sliding_before, full_before = held(state, "A")
+    new = [*old[: 3 * BLOCK + 5], *range(9000, 9000 + 2 * BLOCK)]  # diverges in block 3
+    request = hinted(new, "A")
+    state.on_new_request(request, release_on_divergence=False)
+    # blocks 3..7 of the prompt in each group (the partial answer block is uncached: FREE)
+    assert state.counters["block_released_in_request"] == 2 * 5
+    released = {
+        b.block_id
+        for b in state.queue.get_all_free_blocks()
+        if state.queue.segment_of(b) is Segment.RELEASED
+    }
+    assert released == set(sliding_before[3:8]) | set(full_before[3:8])
+    assert [g.blocks_released for g in state.group_stats()] == [5, 5]
+    # the kept prefix is still hit, in both groups (the window's blocks before the cut too)
+    assert manager.get_computed_blocks(request)[1] == 3 * BLOCK
+    run_prefill(manager, request)
+    assert not state.check(idle=False)
+
+
+def test_an_idle_session_idles_every_group() -> None:
+    manager = make_hybrid_manager(64, [sliding(), full()])
+    finished_turn(manager, tokens(0, 6), "A")
+    state = state_of(manager)
+    state.idle_guard = None  # the IDLE segment itself: every idle signal acted on
+    result = state.idle_session("A")
+    assert result.status == "ok"
+    assert result.blocks_idled == 2 * 6  # the cached blocks of both groups
+    assert [g.blocks_idled for g in state.group_stats()] == [6, 6]
+    assert state.queue.segment_sizes()["idle"] == 12
+
+
+def test_a_post_release_acts_on_every_group() -> None:
+    manager = make_hybrid_manager(64, [sliding(), full()])
+    old = tokens(0, 6)
+    finished_turn(manager, old, "A")
+    state = state_of(manager)
+    probe = make_request(old[: 2 * BLOCK], session="probe")
+    result = state.release_divergent("A", probe.block_hashes, "post", require_common_prefix=True)
+    assert (result.status, result.block_released) == ("ok", 2 * 4)
+    other = make_request(tokens(7000, 3), session="probe")
+    mismatch = state.release_divergent("A", other.block_hashes, "post", True)
+    assert mismatch.status == "record_mismatch"
+
+
+def test_the_running_requests_sliding_blocks_are_released_when_freed() -> None:
+    """A release while the request still runs: its blocks in the window are pending and move
+    to RELEASED when vLLM frees them; the ones that already left the window move at once."""
+    manager = make_hybrid_manager(64, [sliding(), full()])
+    request = make_request(tokens(0, 6), session="A")
+    run_prefill(manager, request)
+    generate(manager, request, 2)
+    state = state_of(manager)
+    result = state.release("A", 1)
+    assert result.moved > 0 and result.pending > 0
+    manager.free(request)
+    assert state.queue.num_pending == 0
+    # all but the two partial answer blocks (one per group: no hash, so FREE)
+    assert state.queue.segment_sizes()["released"] == result.moved + result.pending - 2
+    assert not state.check(idle=True)
+
+
+@pytest.mark.parametrize("groups", [[mla(576)], [mla(576), mla(132, SparseCacheRole.INDEXER)]])
+def test_mla_and_its_sparse_attention_indexer(groups: list[Any]) -> None:
+    """DeepSeek/Kimi-style MLA is one full-attention-like group; DeepSeek V3.2 adds its
+    indexer's key cache as a group of its own: both are released together."""
+    manager = make_hybrid_manager(64, groups) if len(groups) > 1 else make_manager_with(groups[0])
+    state = state_of(manager)
+    assert {g.kind for g in state.groups} == {"mla_attention"}
+    old = tokens(0, 5)
+    finished_turn(manager, old, "A")
+    new = [*old[: 2 * BLOCK], *range(9000, 9000 + BLOCK)]
+    state.on_new_request(hinted(new, "A"), release_on_divergence=False)
+    assert state.counters["block_released_in_request"] == 3 * len(groups)
+
+
+def make_manager_with(spec: Any) -> Any:
+    return make_hybrid_manager(64, [spec])
