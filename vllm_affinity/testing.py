@@ -118,6 +118,16 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def tool_call_parser(model: str) -> str:
+    """The tool-call parser for a model folder: vLLM renders gpt-oss's chats with harmony and
+    refuses any parser but harmony's own (``openai``) there; ``hermes`` for the others."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "hermes"
+    return "openai" if config.get("model_type") == "gpt_oss" else "hermes"
+
+
 def _core_set(cores: str) -> set[int]:
     """``"0,2-3"`` → ``{0, 2, 3}`` (the list syntax of ``VLLM_CPU_OMP_THREADS_BIND``)."""
     out: set[int] = set()
@@ -229,7 +239,7 @@ class VLLMServer(LoopbackServer):
             "--max-model-len", str(self.max_model_len),
             "--dtype", "bfloat16",
             "--gpu-memory-utilization", "0.3",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser(self.model),
             "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if self.eager:

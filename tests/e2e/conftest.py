@@ -4,7 +4,7 @@ server and the vanilla one): all of them start together when the first test need
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -50,3 +50,32 @@ def _second_plugin_server() -> VLLMServer:
 #: own tests: ``VLLM_AFFINITY_IDLE_GUARD=false``; the first server's idles depend on the
 #: absences of every test before), and traces exported to ``otlp_collector``.
 second_plugin_server = shared_server("second_plugin_server", _second_plugin_server)
+
+
+def _hybrid_server(arch: str, plugin: bool = True) -> Callable[[], VLLMServer]:
+    """A server of one of the hybrid models (``build-model --arch``): a pool big enough that
+    nothing is evicted during a test, every idle acted on."""
+
+    def make() -> VLLMServer:
+        from vllm_affinity.tiny_model import build_hybrid
+
+        return VLLMServer(
+            model=build_hybrid(arch),
+            plugin=plugin,
+            num_blocks=HYBRID_BLOCKS,
+            max_model_len=4096,
+            env={"VLLM_AFFINITY_IDLE_GUARD": "false"},
+            eager=True,
+        )
+
+    return make
+
+
+#: Blocks of the hybrid servers' pools (every group draws from it: Gemma 3's 32 tokens cost four
+#: blocks, one per group).
+HYBRID_BLOCKS = 1024
+
+#: Plugin servers of the three hybrid shapes (``tests/e2e/test_e2e_hybrid.py``).
+gpt_oss_server = shared_server("gpt_oss_server", _hybrid_server("gpt-oss"))
+gemma3_server = shared_server("gemma3_server", _hybrid_server("gemma3"))
+qwen3_next_server = shared_server("qwen3_next_server", _hybrid_server("qwen3-next"))

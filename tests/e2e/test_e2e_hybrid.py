@@ -1,0 +1,170 @@
+"""Hybrid models end to end: random-weight gpt-oss-, Gemma-3- and Qwen3-Next-shaped models
+(``python -m vllm_affinity build-model --arch ...``) on real plugin servers. Sliding-window or
+linear-attention (Mamba-style) groups sit beside full attention, all in one block pool.
+
+Each model: a session grows over four turns, then compacts (system kept, the rest replaced by a
+summary), once through the hook and once through Claude Code's own session header (no hook).
+The compaction releases the stale blocks of every group, the next call still hits the kept
+prefix, and the engine's invariants hold. On the gpt-oss-shaped model, the memory squeeze runs
+side by side with vanilla vLLM: an older session's prefix (both groups) survives with the
+plugin and is evicted on vanilla."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_soak import idle_check
+
+import jiuwen_hooks
+from vllm_affinity.core import common_prefix_length
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class Call:
+    prompt: int
+    completion: int
+    cached: int
+
+
+def text(seed: int, pairs: int) -> str:
+    return filler_text(random.Random(seed), pairs)
+
+
+def call(
+    server: VLLMServer, messages: list[dict[str, Any]], headers: dict[str, str] | None = None
+) -> Call:
+    with openai.OpenAI(
+        base_url=server.base_url, api_key=server.api_key or "none", max_retries=0
+    ) as client:
+        reply = client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            extra_headers=headers or {},
+        )
+    usage = reply.usage
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    return Call(
+        usage.prompt_tokens, usage.completion_tokens, (details and details.cached_tokens) or 0
+    )
+
+
+def groups(server: VLLMServer) -> dict[int, dict[str, Any]]:
+    return {g["group"]: g for g in server.engine_stats()["groups"]}
+
+
+def released_per_group(before: dict[int, Any], after: dict[int, Any]) -> dict[int, int]:
+    return {g: after[g]["blocks_released"] - before[g]["blocks_released"] for g in after}
+
+
+def rendered(server: VLLMServer, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt tokens of a window, rendered by the server as its chat requests are."""
+    body = {"model": SERVED_NAME, "messages": messages}
+    response = httpx.post(
+        server.root_url + "/tokenize", json=body, headers=server.headers(), timeout=30
+    )
+    response.raise_for_status()
+    return response.json()["tokens"]
+
+
+@dataclass
+class Compaction:
+    calls: list[Call]  # four turns, the compaction, the next turn
+    released: dict[int, int]  # per group, the blocks released at the compaction
+    groups: dict[int, dict[str, Any]]  # per group, its stats afterwards
+    kept_tokens: int  # the old window's tokens the compacted one starts with
+
+
+def grow_then_compact(
+    server: VLLMServer, seed: int, headers: dict[str, str] | None = None, flush: Any = None
+) -> Compaction:
+    """Four turns, a compaction (the system prompt kept, a summary for the rest), one more
+    turn."""
+    system = f"You are coding agent {seed}. " + text(seed, 150)
+    window: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    calls = []
+    for turn in range(4):
+        window.append({"role": "user", "content": text(seed * 10 + turn, 120)})
+        calls.append(call(server, window, headers))
+        window.append({"role": "assistant", "content": f"Done with step {turn}."})
+    if flush:
+        flush()
+    before = groups(server)
+    compacted = [
+        window[0],
+        {"role": "user", "content": "Summary of the work so far: " + text(seed, 20)},
+    ]
+    calls.append(call(server, compacted, headers))
+    if flush:
+        flush()
+    after = groups(server)
+    kept = common_prefix_length(rendered(server, window[:-1]), rendered(server, compacted))
+    compacted += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Go on."}]
+    calls.append(call(server, compacted, headers))
+    return Compaction(calls, released_per_group(before, after), after, kept)
+
+
+def assert_every_group_released(compaction: Compaction) -> None:
+    """Full attention: at least 90% of the old window's cached blocks past the cut (its last
+    prompt and answer; the answer's last token has no KV). Sliding-window and Mamba groups
+    cache only some blocks (vLLM's default retention keeps the states and windows at each
+    prompt's end and at prefixes shared with other requests): some are released too. The
+    next call hits the compacted window."""
+    last, compacted, after = compaction.calls[3], compaction.calls[4], compaction.calls[5]
+    for group, count in compaction.released.items():
+        kind, block_size = compaction.groups[group]["kind"], compaction.groups[group]["block_size"]
+        if kind in ("full_attention", "mla_attention"):
+            cached = (last.prompt + last.completion - 1) // block_size
+            stale = cached - compaction.kept_tokens // block_size
+            assert 0.9 * stale <= count <= stale, (group, kind, count, stale)
+        else:
+            assert count >= 1, (group, kind, compaction.released)
+    assert after.cached >= (compacted.prompt - 1) // 2, compaction.calls
+
+
+@pytest.fixture
+def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer], None]]:
+    servers: list[VLLMServer] = []
+    yield servers.append
+    for server in servers:
+        for engine in idle_check(server)["engines"]:
+            assert engine["idle"] and not engine["problems"], engine["problems"]
+
+
+ARCHS = ["gpt_oss_server", "gemma3_server", "qwen3_next_server"]
+
+
+@pytest.mark.parametrize("server_name", ARCHS)
+def test_a_compaction_through_the_hook_releases_every_group(
+    server_name: str,
+    request: pytest.FixtureRequest,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    check_after: Callable[[VLLMServer], None],
+) -> None:
+    server: VLLMServer = request.getfixturevalue(server_name)
+    check_after(server)
+    hook = jiuwen_hook_factory(in_request=True)
+    with jiuwen_hooks.session(f"hybrid-hook-{server_name}"):
+        compaction = grow_then_compact(server, seed=1, flush=hook.flush)
+    assert len(compaction.groups) >= 2, compaction.groups
+    assert_every_group_released(compaction)
+
+
+@pytest.mark.parametrize("server_name", ARCHS)
+def test_a_compaction_told_from_claude_codes_header_releases_every_group(
+    server_name: str, request: pytest.FixtureRequest, check_after: Callable[[VLLMServer], None]
+) -> None:
+    server: VLLMServer = request.getfixturevalue(server_name)
+    check_after(server)
+    headers = {"X-Claude-Code-Session-Id": f"hybrid-cc-{server_name}"}
+    assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
