@@ -168,3 +168,53 @@ def test_a_compaction_told_from_claude_codes_header_releases_every_group(
     check_after(server)
     headers = {"X-Claude-Code-Session-Id": f"hybrid-cc-{server_name}"}
     assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
+
+
+def turn(server: VLLMServer, session: str, messages: list[dict[str, Any]]) -> Call:
+    """One call of a coding agent that names its session in its own header."""
+    return call(server, messages, {"X-Claude-Code-Session-Id": session})
+
+
+def words_for(blocks: int, tokens_per_pair: float) -> int:
+    return int(blocks * 32 / tokens_per_pair)
+
+
+def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
+    gpt_oss_squeeze_server: VLLMServer,
+    gpt_oss_vanilla_server: VLLMServer,
+    check_after: Callable[[VLLMServer], None],
+) -> None:
+    """gpt-oss-shaped, a small pool: B (oldest) and D wait; A compacts (Claude Code's header, no
+    hook); C's prompt needs more blocks than are free. With the plugin C takes A's dead blocks
+    (both groups'); vanilla's LRU evicts B's prefix."""
+    plugin, vanilla = gpt_oss_squeeze_server, gpt_oss_vanilla_server
+    check_after(plugin)
+    b_window = [{"role": "system", "content": "You are B. " + text(10, 120)}]
+    probe = turn(plugin, "probe", [{"role": "user", "content": text(11, 400)}])
+    per_pair = probe.prompt / 400
+    results: dict[str, dict[str, int]] = {}
+    c_words = 0
+    for server in (plugin, vanilla):
+        tag = "plugin" if server.plugin else "vanilla"
+        b_first = turn(server, f"B-{tag}", b_window)
+        turn(server, f"D-{tag}", [{"role": "user", "content": text(15, words_for(28, per_pair))}])
+        system = {"role": "system", "content": f"You are A. {text(19, 20)}"}
+        a_window = [system, {"role": "user", "content": text(20, words_for(48, per_pair))}]
+        turn(server, f"A-{tag}", a_window)
+        turn(server, f"A-{tag}", [*a_window, {"role": "assistant", "content": "Read."}])
+        turn(server, f"A-{tag}", [system, {"role": "user", "content": "Summary: done."}])
+        if server.plugin:
+            stats = server.engine_stats()
+            assert stats["releases_compaction"] == 1 and stats["block_released_compaction"] >= 40
+            # C needs every free block, then 20 more: A's dead ones here, LRU's oldest there.
+            # Its prompt is one prefill chunk: every group holds a block per 32 tokens of it
+            c_words = words_for((stats["segments"]["free"] + 20) // len(stats["groups"]), per_pair)
+        c = turn(server, f"C-{tag}", [{"role": "user", "content": text(30, c_words)}])
+        b_again = turn(server, f"B-{tag}", b_window)
+        results[tag] = {"b_prompt": b_first.prompt, "b_hit": b_again.cached, "c_prompt": c.prompt}
+    assert results["plugin"]["b_hit"] == (results["plugin"]["b_prompt"] - 1) // 32 * 32, results
+    # vanilla keeps only what every session shares: gpt-oss's harmony header (two blocks)
+    assert results["vanilla"]["b_hit"] <= 2 * 32, results
+    groups = {g["kind"]: g for g in plugin.engine_stats()["groups"]}
+    assert groups["sliding_window"]["blocks_released"] > 0, groups
+    assert plugin.engine_stats()["released_reused"] > 0
