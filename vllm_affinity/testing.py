@@ -374,6 +374,18 @@ class VLLMServer(LoopbackServer):
         response.raise_for_status()
         return response.json()["tokens"]
 
+    def idle_check(self, timeout: float = 60.0) -> dict[str, Any]:
+        """``GET /affinity/check`` once every engine is idle (or after ``timeout`` seconds): the
+        engines' invariants, with ``problems`` empty where all hold."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer: dict[str, Any] = httpx.get(
+                self.root_url + "/affinity/check", headers=self.headers(), timeout=30
+            ).json()
+            if all(e["idle"] for e in answer["engines"]) or time.monotonic() > deadline:
+                return answer
+            time.sleep(0.5)
+
     def affinity_stats(self) -> dict[str, Any]:
         response = httpx.get(self.root_url + "/affinity/stats", headers=self.headers(), timeout=30)
         response.raise_for_status()

@@ -11,107 +11,29 @@ plugin and is evicted on vanilla."""
 
 from __future__ import annotations
 
-import random
+import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import httpx
-import openai
 import pytest
-from test_soak import idle_check
 
 import jiuwen_hooks
-from vllm_affinity.core import common_prefix_length
-from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+from benchmarks.hybrid_models import (
+    DENSE,
+    Call,
+    Compaction,
+    call,
+    grow_then_compact,
+    stale_blocks,
+    text,
+)
+from jiuwen_replay.cli import main as replay_main
+from jiuwen_replay.formats import WRITERS
+from jiuwen_replay.synthetic import SyntheticConfig, generate
+from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
 pytestmark = pytest.mark.e2e
-
-
-@dataclass
-class Call:
-    prompt: int
-    completion: int
-    cached: int
-
-
-def text(seed: int, pairs: int) -> str:
-    return filler_text(random.Random(seed), pairs)
-
-
-def call(
-    server: VLLMServer, messages: list[dict[str, Any]], headers: dict[str, str] | None = None
-) -> Call:
-    with openai.OpenAI(
-        base_url=server.base_url, api_key=server.api_key or "none", max_retries=0
-    ) as client:
-        reply = client.chat.completions.create(
-            model=SERVED_NAME,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=8,
-            extra_headers=headers or {},
-        )
-    usage = reply.usage
-    assert usage is not None
-    details = usage.prompt_tokens_details
-    return Call(
-        usage.prompt_tokens, usage.completion_tokens, (details and details.cached_tokens) or 0
-    )
-
-
-def groups(server: VLLMServer) -> dict[int, dict[str, Any]]:
-    return {g["group"]: g for g in server.engine_stats()["groups"]}
-
-
-def released_per_group(before: dict[int, Any], after: dict[int, Any]) -> dict[int, int]:
-    return {g: after[g]["blocks_released"] - before[g]["blocks_released"] for g in after}
-
-
-def rendered(server: VLLMServer, messages: list[dict[str, Any]]) -> list[int]:
-    """The prompt tokens of a window, rendered by the server as its chat requests are."""
-    body = {"model": SERVED_NAME, "messages": messages}
-    response = httpx.post(
-        server.root_url + "/tokenize", json=body, headers=server.headers(), timeout=30
-    )
-    response.raise_for_status()
-    return response.json()["tokens"]
-
-
-@dataclass
-class Compaction:
-    calls: list[Call]  # four turns, the compaction, the next turn
-    released: dict[int, int]  # per group, the blocks released at the compaction
-    groups: dict[int, dict[str, Any]]  # per group, its stats afterwards
-    kept_tokens: int  # the old window's tokens the compacted one starts with
-
-
-def grow_then_compact(
-    server: VLLMServer, seed: int, headers: dict[str, str] | None = None, flush: Any = None
-) -> Compaction:
-    """Four turns, a compaction (the system prompt kept, a summary for the rest), one more
-    turn."""
-    system = f"You are coding agent {seed}. " + text(seed, 150)
-    window: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    calls = []
-    for turn in range(4):
-        window.append({"role": "user", "content": text(seed * 10 + turn, 120)})
-        calls.append(call(server, window, headers))
-        window.append({"role": "assistant", "content": f"Done with step {turn}."})
-    if flush:
-        flush()
-    before = groups(server)
-    compacted = [
-        window[0],
-        {"role": "user", "content": "Summary of the work so far: " + text(seed, 20)},
-    ]
-    calls.append(call(server, compacted, headers))
-    if flush:
-        flush()
-    after = groups(server)
-    kept = common_prefix_length(rendered(server, window[:-1]), rendered(server, compacted))
-    compacted += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Go on."}]
-    calls.append(call(server, compacted, headers))
-    return Compaction(calls, released_per_group(before, after), after, kept)
 
 
 def assert_every_group_released(compaction: Compaction) -> None:
@@ -120,12 +42,11 @@ def assert_every_group_released(compaction: Compaction) -> None:
     cache only some blocks (vLLM's default retention keeps the states and windows at each
     prompt's end and at prefixes shared with other requests): some are released too. The
     next call hits the compacted window."""
-    last, compacted, after = compaction.calls[3], compaction.calls[4], compaction.calls[5]
+    compacted, after = compaction.calls[4], compaction.calls[5]
     for group, count in compaction.released.items():
         kind, block_size = compaction.groups[group]["kind"], compaction.groups[group]["block_size"]
-        if kind in ("full_attention", "mla_attention"):
-            cached = (last.prompt + last.completion - 1) // block_size
-            stale = cached - compaction.kept_tokens // block_size
+        if kind in DENSE:
+            stale = stale_blocks(compaction, block_size)
             assert 0.9 * stale <= count <= stale, (group, kind, count, stale)
         else:
             assert count >= 1, (group, kind, compaction.released)
@@ -137,7 +58,7 @@ def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer
     servers: list[VLLMServer] = []
     yield servers.append
     for server in servers:
-        for engine in idle_check(server)["engines"]:
+        for engine in server.idle_check()["engines"]:
             assert engine["idle"] and not engine["problems"], engine["problems"]
 
 
@@ -218,3 +139,32 @@ def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
     groups = {g["kind"]: g for g in plugin.engine_stats()["groups"]}
     assert groups["sliding_window"]["blocks_released"] > 0, groups
     assert plugin.engine_stats()["released_reused"] > 0
+
+
+def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
+    gpt_oss_squeeze_server: VLLMServer,
+    gpt_oss_vanilla_server: VLLMServer,
+    tmp_path: Path,
+    check_after: Callable[[VLLMServer], None],
+) -> None:
+    """The synthetic agent trace (compactions, tool loops, several sessions) through the hook on
+    the gpt-oss-shaped model's tight pool, against vanilla with the same pool."""
+    check_after(gpt_oss_squeeze_server)
+    trace = tmp_path / "synthetic.project.jsonl"
+    WRITERS["project"](
+        generate(SyntheticConfig(sessions=6, calls_per_session=12, compact_after=8)), trace
+    )
+    args = [
+        "replay", "--trace", str(trace), "--format", "project", "--speed", "0",
+        "--base-url", gpt_oss_squeeze_server.base_url,
+        "--baseline-url", gpt_oss_vanilla_server.base_url,
+        "--model", SERVED_NAME, "--scale", "0.5", "--copies", "3", "--max-output-tokens", "4",
+        "--no-plot", "--quiet", "--out", str(tmp_path), "--name", "hybrid",
+    ]  # fmt: skip
+    assert replay_main(args) == 0
+    result = json.loads((tmp_path / "hybrid.json").read_text())
+    baseline, hooked = result["runs"]
+    for run in (baseline, hooked):
+        assert run["errors"] == 0 and run["calls"] == result["trace"]["requests"], run
+    assert hooked["releases"]["in_request"] > 0, hooked["releases"]
+    assert hooked["computed_tokens"] <= baseline["computed_tokens"], (hooked, baseline)

@@ -183,22 +183,13 @@ def run_phase(
     return tally
 
 
-def idle_check(server: VLLMServer, timeout: float = 60.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = httpx.get(server.root_url + "/affinity/check", headers=server.headers()).json()
-        if all(e["idle"] for e in answer["engines"]) or time.monotonic() > deadline:
-            return answer
-        time.sleep(0.5)
-
-
 def assert_clean(server: VLLMServer, tally: Tally) -> dict[str, Any]:
     counts = tally.counts
     assert not [k for k in counts if k.startswith(("http_5", "release_5"))], (counts, tally.errors)
     assert counts["transport_error"] == 0, tally.errors
     assert not [k for k in counts if k.startswith("http_")], (counts, tally.errors)
     assert counts["completed"] > 0
-    answer = idle_check(server)
+    answer = server.idle_check()
     (engine,) = answer["engines"]
     assert engine["idle"], engine
     assert answer["ok"], engine["problems"]
