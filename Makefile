@@ -82,6 +82,13 @@ $(AGENTS):
 $(LONG_MODEL): $(SERVER) vllm_affinity/tiny_model.py
 	$(PY) -m vllm_affinity build-model --size long
 
+# The hybrid models (sliding window or linear attention beside full attention) the hybrid tests
+# serve: random weights, built once each (seconds; gpt-oss's 201k-token tokenizer the longest).
+HYBRID_ARCHS  := gpt-oss gemma3 qwen3-next
+HYBRID_MODELS := $(foreach arch,$(HYBRID_ARCHS),.cache/tiny-$(arch)/jiuwen-recipe.json)
+.cache/tiny-%/jiuwen-recipe.json: $(SERVER) vllm_affinity/tiny_model.py
+	$(PY) -m vllm_affinity build-model --arch $*
+
 # The next vLLM (the GPU users' version) is tested on its Python sources: its wheel, without
 # dependencies or compiled kernels, laid over the CPU environment for the adapter tests.
 VLLM_NEXT     := 0.33.0
@@ -130,16 +137,18 @@ $(MODEL): $(SERVER) vllm_affinity/tiny_model.py
 model: $(MODEL)
 
 ## demo: real vLLM (CPU) with the plugin, an agent with compaction, the releases and their effect
-demo: $(MODEL)
-	$(PY) -m examples.demo
+## (ARCH=gpt-oss: the same on a gpt-oss-shaped hybrid model, sliding window beside full attention)
+ARCH ?= llama
+demo: $(MODEL) $(if $(filter llama,$(ARCH)),,.cache/tiny-$(ARCH)/jiuwen-recipe.json)
+	$(PY) -m examples.demo --arch $(ARCH)
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
 ## replicas behind nginx, the real Claude Code and Codex CLI binaries), then the llama-index integration in its own virtualenv
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
-	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(AGENTS) $(LI) $(OJ) $(OJ16) \
-		$(VLLM_NEXT_DIR)/.extracted debian-tools
+	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(HYBRID_MODELS) $(AGENTS) \
+		$(LI) $(OJ) $(OJ16) $(VLLM_NEXT_DIR)/.extracted debian-tools
 	$(MAKE) lint
 	$(PY) -m pytest --durations=25
 	$(MAKE) test-vllm-next

@@ -1,6 +1,9 @@
 """The main demo: real vLLM (CPU) with and without the plugin, side by side.
 
     make demo            (or, from the repository root: python -m examples.demo)
+    make demo ARCH=gpt-oss   (the same on a gpt-oss-shaped hybrid model: python -m
+                         examples.demo --arch gpt-oss; sliding-window and full-attention layers,
+                         two KV-cache groups in one pool, each released)
 
 1. The original design's scenario on the plugin server: a 3-round weather agent whose
    micro-compaction clears the two older tool results, so a release fires at the first cleared
@@ -19,6 +22,7 @@ Everything it starts is stopped on exit, on failure and on Ctrl-C.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -39,10 +43,12 @@ from examples.compaction_agent import run_weather_agent
 from examples.otel_collector import OtlpCollector
 from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_window
-from vllm_affinity.tiny_model import build
+from vllm_affinity.tiny_model import build, build_hybrid
 
 API_KEY = "demo-key"
-BLOCKS = 96
+#: Per model: the pool's blocks and the longest prompt (a hybrid model's groups share the pool,
+#: and a prompt's one prefill chunk holds a block of every group per 32 tokens).
+SHAPES = {"llama": (96, None), "gpt-oss": (160, 2816)}
 
 
 def say(text: str = "") -> None:
@@ -115,6 +121,11 @@ def part_squeeze(plugin: VLLMServer, vanilla: VLLMServer) -> None:
     stats = engine_stats(plugin)
     say(f"  plugin server: {stats['released_reused']} released blocks reused so far, "
         f"segments {stats['segments']}")  # fmt: skip
+    groups = ", ".join(
+        f"group {g['group']} ({g['kind']}, {g['block_size']} tokens) {g['blocks_released']}"
+        for g in stats["groups"]
+    )
+    say(f"  blocks released so far, per KV-cache group: {groups}")
 
 
 def part_multi_session(plugin: VLLMServer, vanilla: VLLMServer, tracer_provider: Any) -> None:
@@ -163,17 +174,20 @@ def telemetry(stack: ExitStack) -> tuple[OtlpCollector | None, Any, TracerProvid
 
 
 def start_servers(
-    stack: ExitStack, collector: OtlpCollector | None
+    stack: ExitStack, collector: OtlpCollector | None, arch: str
 ) -> tuple[VLLMServer, VLLMServer]:
     """vLLM with the plugin (exporting traces to the collector) and vanilla vLLM, side by side."""
     extra = ("--otlp-traces-endpoint", collector.grpc_endpoint) if collector is not None else ()
     dev = {"VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache before the squeeze
-    plugin = VLLMServer(
-        plugin=True, num_blocks=BLOCKS, api_key=API_KEY, extra_args=extra, env=dev, cpu_cores="0"
+    blocks, max_len = SHAPES[arch]
+    model = build() if arch == "llama" else build_hybrid(arch)
+    common: dict[str, Any] = dict(
+        model=model, num_blocks=blocks, max_model_len=max_len, api_key=API_KEY, env=dev
     )
-    vanilla = VLLMServer(plugin=False, num_blocks=BLOCKS, api_key=API_KEY, env=dev, cpu_cores="1")
+    plugin = VLLMServer(plugin=True, extra_args=extra, cpu_cores="0", **common)
+    vanilla = VLLMServer(plugin=False, cpu_cores="1", **common)
     say(f"Starting vLLM with the plugin ({plugin.root_url}) and vanilla vLLM "
-        f"({vanilla.root_url}), {BLOCKS} KV blocks of {BLOCK_SIZE} tokens each, "
+        f"({vanilla.root_url}), {arch} model, {blocks} KV blocks of {BLOCK_SIZE} tokens each, "
         "about 40 s ...")  # fmt: skip
     for server in (plugin, vanilla):
         stack.callback(server.stop)
@@ -201,14 +215,20 @@ def part_traces(collector: OtlpCollector) -> None:
     say(f"  (collector output: {collector.log_path})")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--arch", choices=sorted(SHAPES), default="llama",
+        help="the model's shape: llama (one KV-cache group) or gpt-oss (sliding-window and "
+        "full-attention groups)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     say("== Agent-aware KV-cache release: vLLM with vllm_affinity vs vanilla vLLM (CPU) ==")
     with ExitStack() as stack:
         try:
-            say("Building the small local model (once) ...")
-            build()
+            say(f"Building the small local {args.arch} model (once) ...")
             collector, memory, provider = telemetry(stack)
-            plugin, vanilla = start_servers(stack, collector)
+            plugin, vanilla = start_servers(stack, collector, args.arch)
             hook = jiuwen_hooks.install(tracer_provider=provider)
             stack.callback(jiuwen_hooks.uninstall)
 
