@@ -25,6 +25,7 @@ import httpx
 import openai
 
 import jiuwen_hooks
+from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from jiuwen_replay.output import write_json
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
@@ -145,7 +146,7 @@ def measure(arch: str) -> list[dict[str, Any]]:
                 hooked = grow_then_compact(server, seed=1, flush=hook.flush)
         finally:
             jiuwen_hooks.uninstall()
-        headers = {"X-Claude-Code-Session-Id": f"bench-cc-{arch}"}
+        headers = {CLAUDE_CODE_SESSION_HEADER: f"bench-cc-{arch}"}
         told = grow_then_compact(server, seed=2, headers=headers)
         problems = [p for e in server.idle_check()["engines"] for p in e["problems"]]
     for group, stats in hooked.groups.items():

@@ -28,6 +28,7 @@ from benchmarks.hybrid_models import (
     stale_blocks,
     text,
 )
+from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from jiuwen_replay.cli import main as replay_main
 from jiuwen_replay.formats import WRITERS
 from jiuwen_replay.synthetic import SyntheticConfig, generate
@@ -87,13 +88,13 @@ def test_a_compaction_told_from_claude_codes_header_releases_every_group(
 ) -> None:
     server: VLLMServer = request.getfixturevalue(server_name)
     check_after(server)
-    headers = {"X-Claude-Code-Session-Id": f"hybrid-cc-{server_name}"}
+    headers = {CLAUDE_CODE_SESSION_HEADER: f"hybrid-cc-{server_name}"}
     assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
 
 
 def turn(server: VLLMServer, session: str, messages: list[dict[str, Any]]) -> Call:
     """One call of a coding agent that names its session in its own header."""
-    return call(server, messages, {"X-Claude-Code-Session-Id": session})
+    return call(server, messages, {CLAUDE_CODE_SESSION_HEADER: session})
 
 
 def words_for(blocks: int, tokens_per_pair: float) -> int:
