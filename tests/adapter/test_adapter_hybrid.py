@@ -12,6 +12,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     SparseCacheRole,
@@ -176,3 +177,43 @@ def test_mla_and_its_sparse_attention_indexer(groups: list[Any]) -> None:
 
 def make_manager_with(spec: Any) -> Any:
     return make_hybrid_manager(64, [spec])
+
+
+def prefill_in_chunks(manager: Any, request: Any, chunk: int) -> None:
+    """A cold prompt prefilled ``chunk`` tokens a step, as the scheduler splits it: a Mamba
+    group in ``align`` mode keeps a state at each chunk's end and retires the older ones."""
+    while request.num_computed_tokens < request.num_tokens:
+        step = min(chunk, request.num_tokens - request.num_computed_tokens)
+        assert manager.allocate_slots(request, step) is not None
+        request.num_computed_tokens += step
+        manager.cache_blocks(request, request.num_computed_tokens)
+
+
+def test_mamba_states_past_the_cut_are_released_the_earlier_ones_kept() -> None:
+    """Qwen3-Next-shaped: Mamba (``align``) beside full attention, 64-token blocks hashed at
+    16. A state is hit only by a prompt that shares every token before it, so after a rewrite
+    the states past the cut are dead and the ones before it are what the new window hits."""
+    block = 64
+    attention = FullAttentionSpec(
+        block_size=block, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    mamba = MambaSpec(
+        block_size=block, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    manager = make_hybrid_manager(200, [mamba, attention], hash_block_size=BLOCK)
+    state = state_of(manager)
+    assert [(g.kind, g.scale) for g in state.groups] == [("mamba", 4), ("full_attention", 4)]
+    old = make_request(list(range(640)), session="A")
+    assert manager.get_computed_blocks(old)[1] == 0
+    prefill_in_chunks(manager, old, chunk=2 * block)
+    manager.free(old)
+    states, blocks = held(state, "A")
+    assert len(states) == 5 and len(blocks) == 10  # a state per chunk (retired ones kept)
+    new = make_request([*range(5 * block + 5), *range(9000, 9100)], session="A")
+    result = state.release_divergent("A", new.block_hashes, "post")
+    # the cut is inside block 5: the states ending at 384, 512 and 640 tokens, blocks 5..9
+    assert (result.status, result.block_released) == ("ok", 3 + 5)
+    assert [g.blocks_released for g in state.group_stats()] == [3, 5]
+    # the state at 256 tokens was kept: the new window hits it (the one at 320 never existed)
+    assert manager.get_computed_blocks(new)[1] == 4 * block
+    assert not state.check(idle=True)
