@@ -86,7 +86,7 @@ $(LONG_MODEL): $(SERVER) vllm_affinity/tiny_model.py
 # serve: random weights, built once each (seconds; gpt-oss's 201k-token tokenizer the longest).
 HYBRID_ARCHS  := gpt-oss gemma3 qwen3-next
 HYBRID_MODELS := $(foreach arch,$(HYBRID_ARCHS),.cache/tiny-$(arch)/jiuwen-recipe.json)
-.cache/tiny-%/jiuwen-recipe.json: $(SERVER) vllm_affinity/tiny_model.py
+.cache/tiny-%/jiuwen-recipe.json: $(SERVER) vllm_affinity/tiny_model.py vllm_affinity/hybrid_model.py
 	$(PY) -m vllm_affinity build-model --arch $*
 
 # The next vLLM (the GPU users' version) is tested on its Python sources: its wheel, without

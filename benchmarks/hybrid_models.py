@@ -28,8 +28,9 @@ import jiuwen_hooks
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from jiuwen_replay.output import write_json
 from vllm_affinity.core import common_prefix_length
+from vllm_affinity.hybrid_model import build_hybrid
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
-from vllm_affinity.tiny_model import build, build_hybrid
+from vllm_affinity.tiny_model import build
 
 ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next")
 #: The kinds of group whose every block is cached (prefix caching keeps them densely).

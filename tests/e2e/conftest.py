@@ -60,7 +60,7 @@ def _hybrid_server(
     Gemma 3's 32 tokens cost four blocks, one per group)."""
 
     def make() -> VLLMServer:
-        from vllm_affinity.tiny_model import build_hybrid
+        from vllm_affinity.hybrid_model import build_hybrid
 
         return VLLMServer(
             model=build_hybrid(arch),

@@ -1,0 +1,26 @@
+"""The local model builders' command line (no build: that needs torch and runs in make test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_affinity.hybrid_model import HYBRID_DIRS, HYBRID_SHAPES, build_hybrid
+from vllm_affinity.tiny_model import ARCHS, main
+
+
+def test_every_hybrid_shape_is_an_arch_with_a_folder_of_its_own() -> None:
+    assert ARCHS == ("llama", *HYBRID_SHAPES)
+    assert len({path for path in HYBRID_DIRS.values()}) == len(HYBRID_SHAPES)
+    for shape in HYBRID_SHAPES.values():
+        kinds = set(shape["layer_types"])
+        assert len(kinds) == 2 and "full_attention" in kinds  # hybrid: two kinds of layer
+
+
+def test_bad_arguments_are_refused_before_building(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--arch", "gpt-oss", "--size", "heavy"])
+    assert "--size applies to --arch llama only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--arch", "mixtral"])
+    with pytest.raises(ValueError, match="unknown hybrid arch"):
+        build_hybrid("llama")
