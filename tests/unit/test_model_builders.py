@@ -9,7 +9,7 @@ from vllm_affinity.tiny_model import ARCHS, main
 
 
 def test_every_hybrid_shape_is_an_arch_with_a_folder_of_its_own() -> None:
-    assert ARCHS == ("llama", *HYBRID_SHAPES)
+    assert ("llama", *HYBRID_SHAPES) == ARCHS
     assert len({path for path in HYBRID_DIRS.values()}) == len(HYBRID_SHAPES)
     for shape in HYBRID_SHAPES.values():
         kinds = set(shape["layer_types"])
