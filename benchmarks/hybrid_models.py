@@ -32,7 +32,7 @@ from vllm_affinity.hybrid_model import build_hybrid
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 from vllm_affinity.tiny_model import build
 
-ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next")
+ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next", "deepseek-v3")
 #: The kinds of group whose every block is cached (prefix caching keeps them densely).
 DENSE = ("full_attention", "mla_attention")
 

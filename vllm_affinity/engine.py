@@ -58,6 +58,7 @@ from .core.compaction import side_branch
 from .core.counters import Counters
 from .core.groups import KVGroup, kind_of
 from .core.idle_guard import IdleGuard
+from .core.siblings import SiblingStarts
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
 from .settings import Settings
@@ -102,6 +103,7 @@ class PoolAffinity:
         self.tables: tuple[SessionBlocks, ...] = ()
         self.attach_groups((KVGroup(0, "full_attention", pool.hash_block_size),))
         self.subagents = Subagents(settings.max_sessions)
+        self.siblings = SiblingStarts()
         self._child_end = settings.child_end
         self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
@@ -238,17 +240,17 @@ class PoolAffinity:
         A subagent (a session that named a parent) whose signal ``ends_task`` (its model
         answered, or its hint says it is not back within the hour) has ended its task instead:
         its parent stops waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own
-        blocks are released as dead after its instructions, which the agent's next subagents
-        send again (and what other sessions have hit is kept: ``core/sessions.py``)."""
+        blocks are released as dead after what its siblings will hit (``_end_child``; and what
+        other sessions have hit is kept: ``core/sessions.py``)."""
         self.counters.add("idles", 1)  # every signal, applied or not (a replay waits on it)
         if ends_task and self.subagents.parent_of(session) is not None:
-            head = self.subagents.head_of(session)
+            record = self.sessions.latest.get(session)
+            result = None
+            if self._child_end == "release" and record is not None and record.request_id is None:
+                result = self._end_child(session)
             self._apply_family(self.subagents.ended(session))
             self.counters.add("children_ended", 1)
-            record = self.sessions.latest.get(session)
-            if self._child_end == "release" and record is not None and record.request_id is None:
-                result = self.release(session, head, "child_end")
-                self.counters.add("blocks_kept_instructions", self._kept_before(session, head))
+            if result is not None:
                 return EngineIdle(
                     status=result.status, blocks_idled=0, kept_shared=result.kept_shared
                 )
@@ -272,12 +274,27 @@ class PoolAffinity:
             kept_shared=sum(selection.kept_shared for selection in selections),
         )
 
-    def _kept_before(self, session: str, head: int) -> int:
-        """Blocks the session still holds before its instructions' end, over every group."""
-        return sum(
-            len(table.unreused(session, 0)) - len(table.unreused(session, group.block_of(head)))
-            for group, table in zip(self.groups, self.tables, strict=True)
+    def _end_child(self, session: str) -> EngineRelease:
+        """A subagent's end: its blocks are released as dead after what its siblings will hit
+        (its instructions, the block straddling their end, and the start its siblings' first
+        prompts have shared so far: ``core/siblings.py``), in every group."""
+        keep = self.subagents.head_of(session)
+        family = self.subagents.family_of(session)
+        if family is not None:
+            keep = max(keep, self.siblings.shared(family) * self.pool.hash_block_size)
+        firsts = [group.blocks_holding(keep) for group in self.groups]
+        kept = sum(
+            len(table.unreused(session, 0)) - len(table.unreused(session, first))
+            for table, first in zip(self.tables, firsts, strict=True)
         )
+        self.counters.add("blocks_kept_instructions", kept)
+        return self._release_groups(session, firsts, "child_end")
+
+    def _sibling_family(self, parent: str, head: int, chain: Sequence[Any]) -> Any:
+        """The key a new child's siblings are learned under: the hash of the block that ends
+        its instructions, when the API server measured them, else its parent."""
+        end = head // self.pool.hash_block_size
+        return ("instructions", chain[end - 1]) if 0 < end <= len(chain) else ("parent", parent)
 
     def _worth_idling(self, session: str) -> bool:
         """The idle guard's verdict (``core/idle_guard.py``), noting the absence it starts."""
@@ -407,8 +424,12 @@ class PoolAffinity:
         if parent:
             parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)
         if parent or self.subagents.waiting(session):
-            head = int(extra.get(HEAD_KEY) or 0) // self.pool.hash_block_size
-            self._apply_family(self.subagents.call(session, parent, head))
+            head = int(extra.get(HEAD_KEY) or 0)
+            family = None
+            if parent and self.subagents.parent_of(session) is None:  # a child's first call
+                family = self._sibling_family(parent, head, request.block_hashes)
+                self.siblings.observe(family, request.block_hashes)
+            self._apply_family(self.subagents.call(session, parent, head, family))
         if REWRITE_KEY in extra:
             self.release_rewritten(session, request.block_hashes)
         elif HINT_KEY in extra:

@@ -6,8 +6,11 @@ Llama and with random weights too: ``gpt-oss`` (sliding-window and full attentio
 experts; gpt-oss's own tokenizer, rebuilt offline from the harmony library vLLM renders its
 chats with), ``gemma3`` (three sliding-window layers to one full) and ``qwen3-next`` (Gated
 DeltaNet linear attention and full attention alternating, experts), the last two with the Llama
-model's tokenizer and template. Their folders: ``.cache/tiny-gpt-oss``, ``.cache/tiny-gemma3``,
-``.cache/tiny-qwen3-next``.
+model's tokenizer and template. Besides them ``deepseek-v3``: DeepSeek V3's Multi-head Latent
+Attention (one latent KV cache per token and layer, vLLM's ``mla_attention`` group: not hybrid,
+one group, but a KV cache of another kind), experts, the Llama tokenizer too. Their folders:
+``.cache/tiny-gpt-oss``, ``.cache/tiny-gemma3``, ``.cache/tiny-qwen3-next``,
+``.cache/tiny-deepseek-v3``.
 """
 
 from __future__ import annotations
@@ -92,6 +95,34 @@ HYBRID_SHAPES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128,
         "layer_types": ["linear_attention", "full_attention"] * 2,
+    },
+    # Multi-head Latent Attention (DeepSeek V2/V3, Kimi K2): one dense layer, then one with
+    # experts (DeepSeek V3's sigmoid router with its bias). vLLM's CPU MLA kernels take only
+    # DeepSeek's latent width, ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 (their
+    # only head size); the per-head widths are free. Without AMX (vLLM's AMX_MLA backend) vLLM
+    # 0.32 serves it with its reference CPU_MLA backend, at block size 16 whatever
+    # ``--block-size`` says, and with prefix caching and chunked prefill off
+    # (``CpuPlatform.check_and_update_config``).
+    "deepseek-v3": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
     },
 }
 HYBRID_DIRS = {arch: DEFAULT_DIR.with_name(f"tiny-{arch}") for arch in HYBRID_SHAPES}
@@ -187,12 +218,13 @@ def build_hybrid(arch: str, out_dir: Path | None = None, max_positions: int = 32
 
 def _hybrid_config(arch: str, tokenizer: Any, max_positions: int) -> Any:
     """The ``transformers`` config of a hybrid arch, its special ids the tokenizer's."""
-    from transformers import Gemma3TextConfig, GptOssConfig, Qwen3NextConfig
+    from transformers import DeepseekV3Config, Gemma3TextConfig, GptOssConfig, Qwen3NextConfig
 
     config_class = {
         "gpt-oss": GptOssConfig,
         "gemma3": Gemma3TextConfig,
         "qwen3-next": Qwen3NextConfig,
+        "deepseek-v3": DeepseekV3Config,
     }[arch]
     shape = {"vocab_size": len(tokenizer), **HYBRID_SHAPES[arch]}
     if arch == "gpt-oss":

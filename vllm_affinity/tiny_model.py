@@ -6,7 +6,7 @@ is gibberish), a byte-level BPE tokenizer trained locally with ``tokenizers``, a
 template that renders tools and tool calls. Built once into a cache folder, then reused.
 
     python -m vllm_affinity.tiny_model [--out DIR] [--size tiny|heavy|long]  # prints the folder
-    python -m vllm_affinity.tiny_model --arch gpt-oss|gemma3|qwen3-next [--out DIR]
+    python -m vllm_affinity.tiny_model --arch gpt-oss|gemma3|qwen3-next|deepseek-v3 [--out DIR]
 
 ``tiny`` (the default: ~3M parameters) keeps tests fast; ``heavy`` (~30M parameters, same
 tokenizer and template) makes prefill cost what it costs on real hardware relative to the rest of
@@ -50,7 +50,7 @@ LONG_POSITIONS = 131072
 ANSWER_WORDS = ("summary", " ok", ".")
 
 #: ``--arch`` choices: Llama (``build``, every ``--size``), then the hybrids (``build_hybrid``).
-ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next")
+ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next", "deepseek-v3")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 

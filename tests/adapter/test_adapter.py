@@ -297,8 +297,10 @@ def test_a_parent_waiting_on_its_subagent_keeps_its_prefix_within_the_cap() -> N
 
 def test_a_subagents_end_keeps_its_instructions_for_the_next_subagent() -> None:
     """The API server told the engine that the subagent's first 2 blocks (plus a few tokens)
-    are its instructions: its end releases the other 5 and keeps those, which the next
-    subagent of the agent hits; without the length, everything went to RELEASED."""
+    are its instructions: its end keeps those and the block that straddles their end (which
+    holds the start of its first message, possibly shared with its siblings), releases the
+    other 4; the next subagent of the agent hits the instructions. Without the length,
+    everything went to RELEASED."""
     manager = make_manager(13)
     state = state_of(manager)
     extra = {"kv_parent": "lead", "kv_head": 2 * BLOCK + 3}
@@ -310,8 +312,8 @@ def test_a_subagents_end_keeps_its_instructions_for_the_next_subagent() -> None:
     ended = state.idle_session("sub")
     assert ended.status == "ok"
     stats = state.stats()
-    assert stats.block_released_child_end == 5 and stats.blocks_kept_instructions == 2
-    assert state.queue.segment_sizes()["released"] == 5
+    assert stats.block_released_child_end == 4 and stats.blocks_kept_instructions == 3
+    assert state.queue.segment_sizes()["released"] == 4
     # the next subagent (same instructions, its own task) after pressure that takes all but 2 blocks
     run_prefill(manager, make_request(tokens(2000, 10), session="other"))
     following = make_request(tokens(900, 2) + tokens(3000, 2), session="sub-2")
@@ -462,3 +464,42 @@ def test_a_missing_vllm_name_fails_at_start_up_by_name(
     monkeypatch.setattr(compat, table, required)
     with pytest.raises(compat.UnsupportedVLLMError, match=rf"lacks {key}\.{missing}"):
         compat.check_supported_vllm()
+
+
+def test_siblings_ends_keep_the_start_their_first_prompts_share() -> None:
+    """Claude Code's subagents one after the other: the same instructions (2 blocks and 3
+    tokens), then the same context (to the end of block 4), then a task of their own (3
+    blocks). Pressure reuses every released block between them. The first one's end keeps its
+    instructions and the block straddling their end; from the second one on the engine knows
+    the siblings share 4 blocks, so an end keeps those and the next sibling hits them all."""
+    manager = make_manager(20)  # 19 usable blocks
+    state = state_of(manager)
+    start = [*tokens(900, 2), 1, 2, 3, *range(5000, 5000 + 2 * BLOCK - 3)]
+    extra = {"kv_parent": "lead", "kv_head": 2 * BLOCK + 3}
+
+    def sibling(n: int) -> tuple[int, int, int]:
+        """(hit tokens, released blocks, kept blocks) of sibling ``n``'s one call and end."""
+        params = SamplingParams(max_tokens=8, extra_args=extra)
+        child = make_request(
+            [*start, *tokens(10_000 * n, 3)], session=f"sub-{n}", sampling_params=params
+        )
+        state.on_new_request(child, release_on_divergence=False)
+        hit = manager.get_computed_blocks(child)[1]
+        run_prefill(manager, child)
+        manager.free(child)
+        before = state.stats()
+        state.idle_session(f"sub-{n}")
+        after = state.stats()
+        released = after.block_released_child_end - before.block_released_child_end
+        kept = after.blocks_kept_instructions - before.blocks_kept_instructions
+        # other work takes every free and released block (not the kept ones)
+        squeeze = manager.block_pool.free_block_queue.num_free_blocks - kept
+        other = make_request(tokens(50_000 * n, squeeze), session=f"other-{n}")
+        run_prefill(manager, other)
+        manager.free(other)
+        return hit, released, kept
+
+    assert sibling(1) == (0, 4, 3)  # instructions and the straddling block kept
+    assert sibling(2) == (3 * BLOCK, 3, 4)  # it recomputed block 4; its end keeps it
+    assert sibling(3) == (4 * BLOCK, 3, 4)  # the whole shared start is hit
+    assert state.check(idle=True) == []

@@ -140,5 +140,6 @@ def test_a_subagents_end_keeps_its_instructions(vllm_affinity_server: VLLMServer
         return int(after.get(name, 0) - before.get(name, 0))
 
     kept, released = delta("blocks_kept_instructions"), delta("block_released_child_end")
-    assert (instructions - 8) // BLOCK_SIZE <= kept <= instructions // BLOCK_SIZE, (kept, after)
+    # the instructions, and the block that straddles their end
+    assert (instructions - 8) // BLOCK_SIZE <= kept <= instructions // BLOCK_SIZE + 1, (kept, after)
     assert kept >= 4 and released >= 8  # 120 words of instructions; 150 of the task's own

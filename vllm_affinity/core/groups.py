@@ -36,6 +36,11 @@ class KVGroup:
         block of a cut at that many hash blocks, straddling or not)."""
         return hash_blocks // self.scale
 
+    def blocks_holding(self, tokens: int) -> int:
+        """How many of this group's blocks hold the first ``tokens`` tokens, the one that
+        straddles their end included."""
+        return -(-tokens // self.block_size)
+
     def label(self) -> str:
         return f"{self.index}:{self.kind}"
 

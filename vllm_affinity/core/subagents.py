@@ -11,13 +11,15 @@ A child is *running* from its first call until a call of it ends its task (``sto
 parent calls again. Both tables are bounded: at most ``max_children`` children are tracked,
 least recently started first out.
 
-Each running child also keeps how many of its leading blocks are its instructions (system
-prompt and tools, which the agent's next subagents send again): its end releases after them.
+Each running child also keeps how many of its leading tokens its end must keep (its
+instructions, system prompt and tools, which the agent's next subagents send again), and the
+family its siblings' shared start is learned under (``core/siblings.py``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
@@ -36,7 +38,8 @@ class Subagents:
     max_children: int = 100_000
     _parent_of: OrderedDict[str, str] = field(default_factory=OrderedDict)  # child → parent
     _children: dict[str, set[str]] = field(default_factory=dict)  # parent → running children
-    _head_of: dict[str, int] = field(default_factory=dict)  # child → its instruction blocks
+    _head_of: dict[str, int] = field(default_factory=dict)  # child → its instructions' tokens
+    _family_of: dict[str, Hashable] = field(default_factory=dict)  # child → its siblings' key
 
     def __post_init__(self) -> None:
         if self.max_children < 1:
@@ -49,16 +52,22 @@ class Subagents:
         return self._parent_of.get(child)
 
     def head_of(self, child: str) -> int:
-        """Leading blocks of a running child that are its instructions (0: unknown)."""
+        """Leading tokens of a running child that are its instructions (0: unknown)."""
         return self._head_of.get(child, 0)
+
+    def family_of(self, child: str) -> Hashable | None:
+        """The key its siblings' shared start is learned under (``None``: not known)."""
+        return self._family_of.get(child)
 
     def waiting(self, parent: str) -> bool:
         """Whether ``parent`` has running children (its blocks are protected)."""
         return parent in self._children
 
-    def call(self, session: str, parent: str | None, head: int = 0) -> FamilyChange:
-        """A call of ``session`` (naming its ``parent``, if it has one, and its instructions'
-        length in blocks, if known) entered the engine."""
+    def call(
+        self, session: str, parent: str | None, head: int = 0, family: Hashable | None = None
+    ) -> FamilyChange:
+        """A call of ``session`` (naming its ``parent``, if it has one, its instructions'
+        length in tokens and its siblings' family, if known) entered the engine."""
         unprotect = list(self._parent_back(session))
         if not parent or parent == session:
             return FamilyChange(unprotect=tuple(unprotect))
@@ -67,8 +76,10 @@ class Subagents:
             unprotect += self.ended(session).unprotect  # the same name under another parent
         self._parent_of[session] = parent
         self._parent_of.move_to_end(session)
-        if head > 0:
+        if head > self._head_of.get(session, 0):
             self._head_of[session] = head
+        if family is not None:
+            self._family_of.setdefault(session, family)
         children = self._children.setdefault(parent, set())
         first = not children
         children.add(session)
@@ -80,6 +91,7 @@ class Subagents:
         """``child`` ended its task; its parent is let go of when it was the last one."""
         parent = self._parent_of.pop(child, None)
         self._head_of.pop(child, None)
+        self._family_of.pop(child, None)
         if parent is None:
             return FamilyChange()
         children = self._children.get(parent)
@@ -98,6 +110,7 @@ class Subagents:
         for child in children:
             self._parent_of.pop(child, None)
             self._head_of.pop(child, None)
+            self._family_of.pop(child, None)
         return (parent,)
 
     def check(self) -> list[str]:
@@ -110,6 +123,8 @@ class Subagents:
             problems.append("a parent with no running child is still waiting")
         if not self._head_of.keys() <= self._parent_of.keys():
             problems.append("an instruction length is kept for a child that is not running")
+        if not self._family_of.keys() <= self._parent_of.keys():
+            problems.append("a family is kept for a child that is not running")
         if len(self._parent_of) > self.max_children:
             problems.append(f"{len(self._parent_of)} children over {self.max_children}")
         return problems

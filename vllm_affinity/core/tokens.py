@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     """Number of leading tokens two prompts share: the first stale token index."""
     n = min(len(a), len(b))
     for i in range(n):
