@@ -24,6 +24,7 @@ All of vLLM's own method bodies stay untouched.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -78,6 +79,7 @@ HEAD_KEY = "kv_head"
 RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY, HEAD_KEY)
 
 _applied = False
+logger = logging.getLogger("vllm_affinity")
 
 
 class PoolAffinity:
@@ -558,11 +560,19 @@ def _make_block_pool_init(settings: Settings) -> Any:
 
 
 def _kv_cache_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-    """The manager's coordinator knows the model's KV-cache groups: every one is tracked."""
+    """The manager's coordinator knows the model's KV-cache groups: every one is tracked (and
+    reported, prefix caching on or not)."""
     wrapped(*args, **kwargs)
     state = affinity_of(instance.block_pool)
-    if state is not None and instance.enable_caching:
-        state.attach_groups(describe_groups(instance.coordinator))
+    if state is None:
+        return
+    state.attach_groups(describe_groups(instance.coordinator))
+    if not instance.enable_caching:
+        # e.g. vLLM's CPU build turns prefix caching off for MLA models on CPUs without AMX
+        logger.warning(
+            "vllm_affinity: prefix caching is off on this engine: no prompt can hit a cached "
+            "block, so releases have nothing to free (turn prefix caching on to use the plugin)"
+        )
 
 
 def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:

@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -217,3 +220,20 @@ def test_mamba_states_past_the_cut_are_released_the_earlier_ones_kept() -> None:
     # the state at 256 tokens was kept: the new window hits it (the one at 320 never existed)
     assert manager.get_computed_blocks(new)[1] == 4 * block
     assert not state.check(idle=True)
+
+
+def test_groups_are_reported_with_prefix_caching_off(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's CPU build serves MLA models with prefix caching off on CPUs without AMX: the
+    plugin reports the model's real groups and says it has nothing to release."""
+    config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], mla(576))],
+    )
+    with caplog.at_level("WARNING", logger="vllm_affinity"):
+        manager = KVCacheManager(
+            config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+            enable_caching=False,
+        )  # fmt: skip
+    assert [g.kind for g in state_of(manager).groups] == ["mla_attention"]
+    assert "prefix caching is off" in caplog.text

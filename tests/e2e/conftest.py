@@ -4,7 +4,7 @@ server and the vanilla one): all of them start together when the first test need
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -50,39 +50,3 @@ def _second_plugin_server() -> VLLMServer:
 #: own tests: ``VLLM_AFFINITY_IDLE_GUARD=false``; the first server's idles depend on the
 #: absences of every test before), and traces exported to ``otlp_collector``.
 second_plugin_server = shared_server("second_plugin_server", _second_plugin_server)
-
-
-def _hybrid_server(
-    arch: str, plugin: bool = True, num_blocks: int = 1024, max_model_len: int = 4096
-) -> Callable[[], VLLMServer]:
-    """A server of one of the hybrid models (``build-model --arch``), every idle acted on. By
-    default a pool big enough that nothing is evicted during a test (every group draws from it:
-    Gemma 3's 32 tokens cost four blocks, one per group)."""
-
-    def make() -> VLLMServer:
-        from vllm_affinity.hybrid_model import build_hybrid
-
-        return VLLMServer(
-            model=build_hybrid(arch),
-            plugin=plugin,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            env={"VLLM_AFFINITY_IDLE_GUARD": "false"},
-            eager=True,
-        )
-
-    return make
-
-
-#: Plugin servers of the three hybrid shapes (``tests/e2e/test_e2e_hybrid.py``).
-gpt_oss_server = shared_server("gpt_oss_server", _hybrid_server("gpt-oss"))
-gemma3_server = shared_server("gemma3_server", _hybrid_server("gemma3"))
-qwen3_next_server = shared_server("qwen3_next_server", _hybrid_server("qwen3-next"))
-#: A tight pool of the gpt-oss shape, with and without the plugin: the squeeze and the replay.
-gpt_oss_squeeze_server = shared_server(
-    "gpt_oss_squeeze_server", _hybrid_server("gpt-oss", num_blocks=160, max_model_len=2816)
-)
-gpt_oss_vanilla_server = shared_server(
-    "gpt_oss_vanilla_server",
-    _hybrid_server("gpt-oss", plugin=False, num_blocks=160, max_model_len=2816),
-)

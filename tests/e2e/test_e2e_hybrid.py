@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from benchmarks.hybrid_models import (
     Compaction,
     call,
     grow_then_compact,
+    hybrid_vllm,
     stale_blocks,
     text,
 )
@@ -54,6 +56,29 @@ def assert_every_group_released(compaction: Compaction) -> None:
     assert after.cached >= (compacted.prompt - 1) // 2, compaction.calls
 
 
+@pytest.fixture(scope="module", params=["gpt-oss", "gemma3", "qwen3-next"])
+def hybrid_server(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
+    """A plugin server of each hybrid shape in turn (a pool nothing is evicted from), stopped
+    before the next one starts: each vLLM process tree holds a few GB."""
+    with hybrid_vllm(request.param) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    """A tight pool of the gpt-oss shape, with and without the plugin, started side by side:
+    the squeeze and the replay."""
+    plugin = hybrid_vllm("gpt-oss", num_blocks=160, max_model_len=2816)
+    vanilla = hybrid_vllm("gpt-oss", plugin=False, num_blocks=160, max_model_len=2816)
+    with ExitStack() as stack:
+        for server in (plugin, vanilla):
+            stack.callback(server.stop)
+            server.start(wait=False)
+        for server in (plugin, vanilla):
+            server.wait_healthy()
+        yield plugin, vanilla
+
+
 @pytest.fixture
 def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer], None]]:
     servers: list[VLLMServer] = []
@@ -63,32 +88,26 @@ def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer
             assert engine["idle"] and not engine["problems"], engine["problems"]
 
 
-ARCHS = ["gpt_oss_server", "gemma3_server", "qwen3_next_server"]
-
-
-@pytest.mark.parametrize("server_name", ARCHS)
 def test_a_compaction_through_the_hook_releases_every_group(
-    server_name: str,
-    request: pytest.FixtureRequest,
+    hybrid_server: VLLMServer,
     jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
     check_after: Callable[[VLLMServer], None],
 ) -> None:
-    server: VLLMServer = request.getfixturevalue(server_name)
+    server = hybrid_server
     check_after(server)
     hook = jiuwen_hook_factory(in_request=True)
-    with jiuwen_hooks.session(f"hybrid-hook-{server_name}"):
+    with jiuwen_hooks.session(f"hybrid-hook-{server.port}"):
         compaction = grow_then_compact(server, seed=1, flush=hook.flush)
     assert len(compaction.groups) >= 2, compaction.groups
     assert_every_group_released(compaction)
 
 
-@pytest.mark.parametrize("server_name", ARCHS)
 def test_a_compaction_told_from_claude_codes_header_releases_every_group(
-    server_name: str, request: pytest.FixtureRequest, check_after: Callable[[VLLMServer], None]
+    hybrid_server: VLLMServer, check_after: Callable[[VLLMServer], None]
 ) -> None:
-    server: VLLMServer = request.getfixturevalue(server_name)
+    server = hybrid_server
     check_after(server)
-    headers = {CLAUDE_CODE_SESSION_HEADER: f"hybrid-cc-{server_name}"}
+    headers = {CLAUDE_CODE_SESSION_HEADER: f"hybrid-cc-{server.port}"}
     assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
 
 
@@ -102,14 +121,12 @@ def words_for(blocks: int, tokens_per_pair: float) -> int:
 
 
 def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
-    gpt_oss_squeeze_server: VLLMServer,
-    gpt_oss_vanilla_server: VLLMServer,
-    check_after: Callable[[VLLMServer], None],
+    gpt_oss_pair: tuple[VLLMServer, VLLMServer], check_after: Callable[[VLLMServer], None]
 ) -> None:
     """gpt-oss-shaped, a small pool: B (oldest) and D wait; A compacts (Claude Code's header, no
     hook); C's prompt needs more blocks than are free. With the plugin C takes A's dead blocks
     (both groups'); vanilla's LRU evicts B's prefix."""
-    plugin, vanilla = gpt_oss_squeeze_server, gpt_oss_vanilla_server
+    plugin, vanilla = gpt_oss_pair
     check_after(plugin)
     b_window = [{"role": "system", "content": "You are B. " + text(10, 120)}]
     probe = turn(plugin, "probe", [{"role": "user", "content": text(11, 400)}])
@@ -143,22 +160,22 @@ def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
 
 
 def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
-    gpt_oss_squeeze_server: VLLMServer,
-    gpt_oss_vanilla_server: VLLMServer,
+    gpt_oss_pair: tuple[VLLMServer, VLLMServer],
     tmp_path: Path,
     check_after: Callable[[VLLMServer], None],
 ) -> None:
     """The synthetic agent trace (compactions, tool loops, several sessions) through the hook on
     the gpt-oss-shaped model's tight pool, against vanilla with the same pool."""
-    check_after(gpt_oss_squeeze_server)
+    plugin, vanilla = gpt_oss_pair
+    check_after(plugin)
     trace = tmp_path / "synthetic.project.jsonl"
     WRITERS["project"](
         generate(SyntheticConfig(sessions=6, calls_per_session=12, compact_after=8)), trace
     )
     args = [
         "replay", "--trace", str(trace), "--format", "project", "--speed", "0",
-        "--base-url", gpt_oss_squeeze_server.base_url,
-        "--baseline-url", gpt_oss_vanilla_server.base_url,
+        "--base-url", plugin.base_url,
+        "--baseline-url", vanilla.base_url,
         "--model", SERVED_NAME, "--scale", "0.5", "--copies", "3", "--max-output-tokens", "4",
         "--no-plot", "--quiet", "--out", str(tmp_path), "--name", "hybrid",
     ]  # fmt: skip
