@@ -182,18 +182,23 @@ class PoolAffinity:
         mode: ReleaseMode,
         require_common_prefix: bool = False,
         also: Sequence[ReleaseSelection] = (),
+        keep_tokens: int = 0,
     ) -> EngineRelease:
         """Release the session's latest blocks, in every group, from the first one ``chain`` (a
         prompt's block hashes) cannot hit. ``require_common_prefix``: a chain that shares not
         even one block with the session's cache is a different prompt (template, salt), not a
         cut of it: answer ``record_mismatch`` and release nothing. ``also``: blocks selected
-        elsewhere, released with these."""
+        elsewhere, released with these. ``keep_tokens``: every block holding the session's
+        first that many tokens is kept, the one straddling their end included."""
         started = time.perf_counter()
         record = self.sessions.latest.get(session)
         if record is None:
             result = self._apply([ReleaseSelection(status="unknown_session")], (0,), mode, also)
         else:
-            firsts = self._first_stale(session, chain)
+            firsts = [
+                max(first, group.blocks_holding(keep_tokens))
+                for first, group in zip(self._first_stale(session, chain), self.groups, strict=True)
+            ]
             if require_common_prefix and chain and not self._any_hit(session, firsts):
                 result = self._apply([ReleaseSelection(status="record_mismatch")], (0,), mode)
             else:
@@ -638,6 +643,7 @@ def affinity_release_prompt(
     prompt_token_ids: list[int],
     cache_salt: str | None,
     protocol: ReleaseMode = "post",
+    keep_tokens: int = 0,
 ) -> dict[str, Any]:
     """EngineCore utility for ``POST /release_kv_cache`` (and openJiuwen's ``agent_hint``
     evict/offload, ``protocol="agent_hint"``): ``prompt_token_ids`` is the old window rendered up
@@ -646,7 +652,9 @@ def affinity_release_prompt(
     chain = _block_hashes(self, prompt_token_ids, cache_salt)
     return (
         _engine_state(self)
-        .release_divergent(session, chain, protocol, require_common_prefix=True)
+        .release_divergent(
+            session, chain, protocol, require_common_prefix=True, keep_tokens=keep_tokens
+        )
         .model_dump()
     )
 

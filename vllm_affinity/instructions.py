@@ -25,7 +25,7 @@ from .core import common_prefix_length
 logger = logging.getLogger(__name__)
 
 #: Chat roles that make up a window's instructions (as ``jiuwen_hooks._diff.head_length``).
-_INSTRUCTION_ROLES = ("system", "developer")
+INSTRUCTION_ROLES = ("system", "developer")
 #: Two user messages that differ from their first character on.
 _PROBES = ("Alpha", "Omega")
 
@@ -89,7 +89,7 @@ def _chat_probes(request: Any) -> tuple[Any, Any] | None:
     head = []
     for message in request.messages or []:
         role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
-        if role not in _INSTRUCTION_ROLES:
+        if role not in INSTRUCTION_ROLES:
             break
         head.append(message)
     if not head and not request.tools:

@@ -32,7 +32,7 @@ from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseReques
 from .core.compaction import CompactionRule
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
-from .instructions import Instructions
+from .instructions import INSTRUCTION_ROLES, Instructions
 from .lifecycle import IdleSignals
 from .metrics import AffinityMetrics
 from .settings import Settings
@@ -177,7 +177,13 @@ class ReleaseService:
         rendered = time.perf_counter()
         salt = None if self._shares_cache(request) else request.cache_salt
         session = scoped(principal, request.cache_salt)
-        results = await self.call_engines("affinity_release_prompt", session, cut, salt)
+        # a cut that keeps only the instructions (an end, or a compaction down to them) keeps
+        # the block straddling their end: the next session's or sibling's first message may
+        # start as this one's did
+        keep = len(cut) if _keeps_only_instructions(request) else 0
+        results = await self.call_engines(
+            "affinity_release_prompt", session, cut, salt, "post", keep
+        )
         done = time.perf_counter()
         return {
             "cache_salt": request.cache_salt,
@@ -377,3 +383,14 @@ def _messages_request(
 def service_of(raw: Any) -> ReleaseService:
     """The release service ``init_state`` put on the app, from a request."""
     return raw.app.state.jiuwen_affinity  # type: ignore[no-any-return]
+
+
+def _keeps_only_instructions(request: ReleaseRequest) -> bool:
+    """Whether the window cut at ``messages_released_index`` is its instructions alone."""
+    k = request.messages_released_index
+    if request.input is not None:
+        return k == 1 and bool(request.instructions)
+    if request.is_messages:
+        return k == 1 and bool(request.system)
+    kept = (request.messages or [])[:k]
+    return bool(kept) and all(m.get("role") in INSTRUCTION_ROLES for m in kept)

@@ -139,3 +139,16 @@ def test_in_use_blocks_become_pending() -> None:
     manager.free(running)
     assert state.queue.num_pending == 0
     assert state.queue.segment_sizes()["released"] == 3
+
+
+def test_a_release_that_keeps_tokens_keeps_the_block_straddling_their_end() -> None:
+    """``keep_tokens`` (a POST whose cut is the instructions alone): the block that holds the
+    end of the kept tokens and the start of what followed stays cached."""
+    manager = make_manager(40)
+    old = tokens(0, 6)
+    finished_turn(manager, old, "A")
+    state = state_of(manager)
+    cut = make_request(old[: 2 * BLOCK + 5], session="cut")  # 2 full blocks and 5 tokens
+    kept = state.release_divergent("A", cut.block_hashes, "post", keep_tokens=2 * BLOCK + 5)
+    assert (kept.first_stale_block, kept.block_released) == (3, 3)
+    assert manager.get_computed_blocks(make_request(old, session="B"))[1] >= 3 * BLOCK

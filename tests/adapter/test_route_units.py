@@ -13,6 +13,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from jiuwen_kv_protocol.models import ReleaseRequest
 from vllm_affinity.core import HintError, ReleaseHint, engine_rank
 from vllm_affinity.engine import HINT_KEY
+from vllm_affinity.release_service import _keeps_only_instructions
 from vllm_affinity.serving import apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
 
@@ -170,3 +171,29 @@ def test_hint_round_trips_with_the_hooks_serialisation() -> None:
             release.messages_released_index,
             release.tools_released_index,
         )
+
+
+SYSTEM = {"role": "system", "content": "s"}
+USER = {"role": "user", "content": "u"}
+
+
+@pytest.mark.parametrize(
+    ("window", "index", "only_instructions"),
+    [
+        ({"messages": [SYSTEM, USER]}, 1, True),
+        ({"messages": [SYSTEM, {"role": "developer", "content": "d"}, USER]}, 2, True),
+        ({"messages": [SYSTEM, USER]}, 2, False),
+        ({"messages": [USER]}, 0, False),
+        ({"instructions": "s", "input": [USER]}, 1, True),
+        ({"input": [USER]}, 1, False),
+        ({"api": "messages", "system": "s", "messages": [USER]}, 1, True),
+        ({"api": "messages", "messages": [USER]}, 1, False),
+    ],
+)
+def test_a_cut_that_keeps_only_the_instructions_is_told(
+    window: dict, index: int, only_instructions: bool
+) -> None:
+    """Such a cut (an end, or a compaction down to the instructions) keeps the block that
+    straddles the instructions' end: the next session or sibling may start as this one did."""
+    body = {"model": "m", "cache_salt": "s", "messages_released_index": index, **window}
+    assert _keeps_only_instructions(ReleaseRequest.model_validate(body)) is only_instructions
