@@ -33,7 +33,7 @@ from jiuwen_kv_protocol.models import EngineRestore, ReleaseError, ReleaseReques
 
 from .core.agent_hint import AgentHint, AgentHintError
 from .core.tenants import scoped
-from .engine import PARENT_KEY
+from .pool_affinity import PARENT_KEY
 
 if TYPE_CHECKING:
     from .release_service import ReleaseService

@@ -31,7 +31,7 @@ from .core.compaction import (
 )
 from .core.session_headers import MAX_SESSION_LENGTH
 from .core.tenants import scoped
-from .engine import REWRITE_KEY
+from .pool_affinity import REWRITE_KEY
 
 
 def is_agent_request(request: Any, headers: Mapping[str, str]) -> bool:

@@ -22,8 +22,8 @@ from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
-from .engine import HEAD_KEY, HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .lifecycle import watched
+from .pool_affinity import HEAD_KEY, HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .release_service import ReleaseService, service_of
 from .settings import Settings
 

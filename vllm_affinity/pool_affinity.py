@@ -1,0 +1,504 @@
+"""The engine's per-pool state: the segmented queue, one session table per KV-cache group, the
+subagent families, and every path that releases, idles, protects or restores a session's
+blocks (``PoolAffinity``). Plain Python over vLLM's block objects; ``engine.py`` attaches it to
+vLLM's ``BlockPool`` and calls it from its wraps and utilities.
+
+``PoolAffinity`` answers with the protocol's models (``EngineRelease``, ``EngineIdle``,
+``EngineRestore``, ``EngineStats``); the utilities turn them into plain dicts only at the
+process boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from jiuwen_kv_protocol.models import (
+    COUNTER_NAMES,
+    GROUP_COUNTERS,
+    EngineIdle,
+    EngineRelease,
+    EngineRestore,
+    EngineStats,
+    GroupStats,
+    ReleaseMode,
+    Segments,
+)
+
+from .core import (
+    HOLE,
+    IdleResult,
+    ReleaseResult,
+    ReleaseSelection,
+    Segment,
+    SegmentedFreeBlockQueue,
+    SessionBlocks,
+    first_stale_block,
+)
+from .core.compaction import side_branch
+from .core.counters import Counters
+from .core.groups import KVGroup
+from .core.idle_guard import IdleGuard
+from .core.siblings import SiblingStarts
+from .core.subagents import FamilyChange, Subagents
+from .core.tenants import scoped
+from .settings import Settings
+
+#: Key of the in-request hint in ``SamplingParams.extra_args`` (set by the API-server wrap).
+HINT_KEY = "kv_release"
+#: Key of the request's parent session in ``SamplingParams.extra_args`` (subagents).
+PARENT_KEY = "kv_parent"
+#: Key of the request's principal in ``SamplingParams.extra_args`` (``core/tenants.py``).
+PRINCIPAL_KEY = "kv_principal"
+#: Key of a compaction the API server told from the agent's own requests
+#: (``core/compaction.py``): the request's window rewrote its session's main thread.
+REWRITE_KEY = "kv_rewrite"
+#: Key of a subagent's instruction length in tokens (``instructions.py``): its end keeps them.
+HEAD_KEY = "kv_head"
+#: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
+RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY, HEAD_KEY)
+
+
+class PoolAffinity:
+    """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), one
+    session table per KV-cache group (``core/groups.py``), and which blocks of each running
+    request are already bound.
+
+    Until the ``KVCacheManager`` names the groups (``attach_groups``), the pool is taken to have
+    one group at the hash block size, as a Llama-style model has."""
+
+    def __init__(self, pool: Any, settings: Settings | None = None) -> None:
+        settings = settings or Settings()
+        self.pool = pool
+        self.queue = SegmentedFreeBlockQueue(
+            pool.free_block_queue.get_all_free_blocks(), capacity=len(pool.blocks)
+        )
+        pool.free_block_queue = self.queue
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        self._strip_group = get_block_hash
+        self._max_sessions = settings.max_sessions
+        self.groups: tuple[KVGroup, ...] = ()
+        self.tables: tuple[SessionBlocks, ...] = ()
+        self.attach_groups((KVGroup(0, "full_attention", pool.hash_block_size),))
+        self.subagents = Subagents(settings.max_sessions)
+        self.siblings = SiblingStarts()
+        self._child_end = settings.child_end
+        self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
+        #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
+        self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
+        self._bound: dict[str, tuple[int, ...]] = {}
+        self.counters = Counters(COUNTER_NAMES)
+
+    def attach_groups(self, groups: tuple[KVGroup, ...]) -> None:
+        """The model's KV-cache groups that prefix caching covers (before any request)."""
+        if not groups:
+            raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
+        self.groups = groups
+        self.tables = tuple(SessionBlocks(self._max_sessions) for _ in groups)
+        self._group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]
+
+    @property
+    def sessions(self) -> SessionBlocks:
+        """The first group's table: which sessions are known and their latest request (every
+        group's table records the same requests)."""
+        return self.tables[0]
+
+    def bind_request(
+        self, session: str, request_id: str, blocks: Sequence[list[Any]], prompt: int
+    ) -> None:
+        """Record the request's blocks (one list per vLLM group) as its session's latest, once
+        per growth of its block lists (not per token)."""
+        lengths = tuple(len(blocks[g.index]) for g in self.groups)
+        already = self._bound.get(request_id)
+        if lengths == already:
+            return
+        for position, (group, table) in enumerate(zip(self.groups, self.tables, strict=True)):
+            group_blocks = blocks[group.index]
+            start = already[position] if already else 0
+            for block in group_blocks[start:]:  # a live user again: not RELEASED when freed
+                if not block.is_null:
+                    self.queue.cancel_pending(block.block_id)
+            ids = [HOLE if b.is_null else b.block_id for b in group_blocks]
+            table.record(session, ids, prompt, request_id)
+        self._bound[request_id] = lengths
+
+    def is_bound(self, request_id: str) -> bool:
+        return request_id in self._bound
+
+    def request_done(self, session: str, request_id: str) -> None:
+        """The request freed its blocks (finished, aborted or preempted)."""
+        self._bound.pop(request_id, None)
+        for table in self.tables:
+            table.request_finished(session, request_id)
+
+    def release(self, session: str, first_block: int, mode: ReleaseMode = "post") -> EngineRelease:
+        """Release the session's latest blocks after its first ``first_block`` hash blocks
+        (block indices, for a one-group model), in every group."""
+        return self._release_groups(session, [g.block_of(first_block) for g in self.groups], mode)
+
+    def _release_groups(
+        self,
+        session: str,
+        first_blocks: Sequence[int],
+        mode: ReleaseMode,
+        also: Sequence[ReleaseSelection] = (),
+    ) -> EngineRelease:
+        """Release the session's latest blocks of each group from that group's block index in
+        ``first_blocks`` on (and the blocks ``also`` selected, in the same release)."""
+        selections = [
+            table.select_release(session, first)
+            for table, first in zip(self.tables, first_blocks, strict=True)
+        ]
+        return self._apply(selections, first_blocks, mode, also)
+
+    def release_divergent(
+        self,
+        session: str,
+        chain: list[Any],
+        mode: ReleaseMode,
+        require_common_prefix: bool = False,
+        also: Sequence[ReleaseSelection] = (),
+        keep_tokens: int = 0,
+    ) -> EngineRelease:
+        """Release the session's latest blocks, in every group, from the first one ``chain`` (a
+        prompt's block hashes) cannot hit. ``require_common_prefix``: a chain that shares not
+        even one block with the session's cache is a different prompt (template, salt), not a
+        cut of it: answer ``record_mismatch`` and release nothing. ``also``: blocks selected
+        elsewhere, released with these. ``keep_tokens``: every block holding the session's
+        first that many tokens is kept, the one straddling their end included."""
+        started = time.perf_counter()
+        record = self.sessions.latest.get(session)
+        if record is None:
+            result = self._apply([ReleaseSelection(status="unknown_session")], (0,), mode, also)
+        else:
+            firsts = [
+                max(first, group.blocks_holding(keep_tokens))
+                for first, group in zip(self._first_stale(session, chain), self.groups, strict=True)
+            ]
+            if require_common_prefix and chain and not self._any_hit(session, firsts):
+                result = self._apply([ReleaseSelection(status="record_mismatch")], (0,), mode)
+            else:
+                result = self._release_groups(session, firsts, mode, also)
+            result.prompt_tokens = record.num_prompt_tokens
+        # time spent in the engine core on this path (what a hinted request adds to its step)
+        self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
+        return result
+
+    def release_rewritten(self, session: str, chain: list[Any]) -> EngineRelease:
+        """A compaction told from the agent's own requests (``core/compaction.py``): the
+        session's side branch is dead (released first, so blocks it shared with the main
+        thread go too), then the main thread's blocks ``chain`` cannot hit. Also when ``chain``
+        shares no block with them: the agent said the old window is gone."""
+        branch = side_branch(session)
+        side = [table.select_release(branch, 0) for table in self.tables]
+        for table in self.tables:
+            table.forget(branch)
+        return self.release_divergent(session, chain, "compaction", also=side)
+
+    def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
+        """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot
+        hit (in every group), demoted by an earlier release and not reused since, go back to
+        the most-recently-used end of NORMAL. Blocks already reused are gone: this server has
+        no second tier to load them from."""
+        if session not in self.sessions.latest:
+            status, firsts, restored = "unknown_session", [0], 0
+        else:
+            firsts = self._first_stale(session, chain)
+            blocks = self.pool.blocks
+            restored = sum(
+                self.queue.restore(blocks[b])
+                for table, first in zip(self.tables, firsts, strict=True)
+                for b in table.unreused(session, first)
+            )
+            status = "ok"
+        self.counters.add("restores", 1)
+        self.counters.add("blocks_restored", restored)
+        return EngineRestore(status=status, blocks_restored=restored, first_stale_block=firsts[0])
+
+    def idle_session(self, session: str, ends_task: bool = True) -> EngineIdle:
+        """The session waits on its user: its own blocks (every group's) go to IDLE, tail first,
+        reused after released blocks and before any live session's. Shared blocks and blocks in
+        use stay.
+
+        A subagent (a session that named a parent) whose signal ``ends_task`` (its model
+        answered, or its hint says it is not back within the hour) has ended its task instead:
+        its parent stops waiting on it, and with ``VLLM_AFFINITY_CHILD_END=release`` its own
+        blocks are released as dead after what its siblings will hit (``_end_child``; and what
+        other sessions have hit is kept: ``core/sessions.py``)."""
+        self.counters.add("idles", 1)  # every signal, applied or not (a replay waits on it)
+        if ends_task and self.subagents.parent_of(session) is not None:
+            record = self.sessions.latest.get(session)
+            result = None
+            if self._child_end == "release" and record is not None and record.request_id is None:
+                result = self._end_child(session)
+            self._apply_family(self.subagents.ended(session))
+            self.counters.add("children_ended", 1)
+            if result is not None:
+                return EngineIdle(
+                    status=result.status, blocks_idled=0, kept_shared=result.kept_shared
+                )
+        selections = [table.select_idle(session) for table in self.tables]
+        status = selections[0].status
+        if status == "ok" and not self._worth_idling(session):
+            self.counters.add("idles_returns_soon", 1)
+            return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
+        blocks, moved = self.pool.blocks, 0
+        for counts, selection in zip(self._group_counts, selections, strict=True):
+            group_moved = sum(
+                self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids
+            )
+            counts["blocks_idled"] += group_moved
+            moved += group_moved
+        self.counters.add(f"idles_{status}", 1)
+        self.counters.add("blocks_idled", moved)
+        return EngineIdle(
+            status=status,
+            blocks_idled=moved,
+            kept_shared=sum(selection.kept_shared for selection in selections),
+        )
+
+    def _end_child(self, session: str) -> EngineRelease:
+        """A subagent's end: its blocks are released as dead after what its siblings will hit
+        (its instructions, the block straddling their end, and the start its siblings' first
+        prompts have shared so far: ``core/siblings.py``), in every group."""
+        keep = self.subagents.head_of(session)
+        family = self.subagents.family_of(session)
+        if family is not None:
+            keep = max(keep, self.siblings.shared(family) * self.pool.hash_block_size)
+        firsts = [group.blocks_holding(keep) for group in self.groups]
+        kept = sum(
+            len(table.unreused(session, 0)) - len(table.unreused(session, first))
+            for table, first in zip(self.tables, firsts, strict=True)
+        )
+        self.counters.add("blocks_kept_instructions", kept)
+        return self._release_groups(session, firsts, "child_end")
+
+    def _sibling_family(self, parent: str, head: int, chain: Sequence[Any]) -> Any:
+        """The key a new child's siblings are learned under: the hash of the block that ends
+        its instructions, when the API server measured them, else its parent."""
+        end = head // self.pool.hash_block_size
+        return ("instructions", chain[end - 1]) if 0 < end <= len(chain) else ("parent", parent)
+
+    def _worth_idling(self, session: str) -> bool:
+        """The idle guard's verdict (``core/idle_guard.py``), noting the absence it starts."""
+        guard = self.idle_guard
+        if guard is None:
+            return True
+        worth = guard.worth_idling(session)
+        guard.went_idle(session, self.queue.cached_reused, self.queue.num_cached)
+        return worth
+
+    def _apply_family(self, change: FamilyChange) -> None:
+        for parent in change.unprotect:
+            self._unprotect(parent)
+        if change.protect is not None:
+            self._protect(change.protect)
+
+    def _protect(self, parent: str) -> None:
+        """The parent's blocks (prefix first, the part a hit needs; group by group) go to
+        PROTECTED, within the cap; blocks in use or already demoted by a release stay as they
+        are."""
+        room = self.protect_cap - self.queue.segment_sizes()["protected"]
+        if room <= 0:
+            return
+        blocks, moved = self.pool.blocks, 0
+        for block_id in self._unreused(parent):
+            if moved >= room:
+                break
+            moved += self.queue.protect(blocks[block_id])
+        self.counters.add("protects", 1)
+        self.counters.add("blocks_protected", moved)
+
+    def _unprotect(self, parent: str) -> None:
+        """The parent stops waiting: its PROTECTED blocks go back to the most-recently-used end
+        of NORMAL (it calls again soon)."""
+        blocks = self.pool.blocks
+        for block_id in self._unreused(parent):
+            block = blocks[block_id]
+            if self.queue.segment_of(block) is Segment.PROTECTED:
+                self.queue.restore(block)
+
+    def _unreused(self, session: str) -> list[int]:
+        return [b for table in self.tables for b in table.unreused(session, 0)]
+
+    def _first_stale(self, session: str, chain: list[Any]) -> list[int]:
+        """Per group, the index of the session's first block ``chain`` cannot hit."""
+        return [
+            first_stale_block(self._entries(group, table, session), chain)
+            for group, table in zip(self.groups, self.tables, strict=True)
+        ]
+
+    def _any_hit(self, session: str, firsts: Sequence[int]) -> bool:
+        """Whether ``firsts`` (from ``_first_stale``) keep at least one block of some group."""
+        for table, first in zip(self.tables, firsts, strict=True):
+            record = table.latest.get(session)
+            if record is not None and any(b != HOLE for b in record.block_ids[:first]):
+                return True
+        return False
+
+    def _entries(
+        self, group: KVGroup, table: SessionBlocks, session: str
+    ) -> list[tuple[Any, int] | None]:
+        """The session's record in ``group`` as ``first_stale_block`` reads it: per index, no
+        block (a hole), or the block's hash (without its group id) and how many hash blocks it
+        covers from the prompt's start."""
+        record = table.latest.get(session)
+        if record is None:
+            return []
+        blocks, strip, unit = self.pool.blocks, self._strip_group, self.pool.hash_block_size
+        entries: list[tuple[Any, int] | None] = []
+        for index, block_id in enumerate(record.block_ids):
+            if block_id == HOLE:
+                entries.append(None)
+                continue
+            block = blocks[block_id]
+            block_hash = block.block_hash
+            tokens = getattr(block, "block_hash_num_tokens", None)  # from the prompt's start
+            end = tokens // unit if tokens else (index + 1) * group.scale
+            entries.append((None if block_hash is None else strip(block_hash), end))
+        return entries
+
+    def _apply(
+        self,
+        selections: Sequence[ReleaseSelection],
+        first_blocks: Sequence[int],
+        mode: ReleaseMode,
+        also: Sequence[ReleaseSelection] = (),
+    ) -> EngineRelease:
+        """Release every group's selected blocks (and ``also``'s, counted as one release)."""
+        moved = pending = 0
+        for per_group in (selections, also):  # both: one selection per group, in group order
+            for counts, selection in zip(self._group_counts, per_group, strict=False):
+                results = Counter(
+                    self.queue.release(self.pool.blocks[b]) for b in selection.block_ids
+                )
+                counts["blocks_released"] += (
+                    results[ReleaseResult.MOVED] + results[ReleaseResult.PENDING]
+                )
+                moved += results[ReleaseResult.MOVED]
+                pending += results[ReleaseResult.PENDING]
+        status = selections[0].status
+        self.counters.add("releases", 1)
+        self.counters.add(f"releases_{status}", 1)
+        self.counters.add(f"releases_{mode}", 1)
+        self.counters.add("blocks_moved", moved)
+        self.counters.add("blocks_pending", pending)
+        self.counters.add(f"block_released_{mode}", moved + pending)
+        return EngineRelease(
+            status=status,
+            block_released=moved + pending,
+            moved=moved,
+            pending=pending,
+            kept_shared=sum(s.kept_shared for s in [*selections, *also]),
+            first_stale_block=first_blocks[0],
+        )
+
+    def on_new_request(self, request: Any, release_on_divergence: bool) -> None:
+        """A request entered the scheduler: act on its in-request hint (or, when the server
+        releases on divergence, on any prompt of a known session) before it allocates."""
+        session = session_of(request)
+        if not session:
+            return
+        if self.idle_guard is not None:
+            self.idle_guard.came_back(session, self.queue.cached_reused)
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        parent = extra.get(PARENT_KEY)
+        if parent:
+            parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)
+        if parent or self.subagents.waiting(session):
+            head = int(extra.get(HEAD_KEY) or 0)
+            family = None
+            if parent and self.subagents.parent_of(session) is None:  # a child's first call
+                family = self._sibling_family(parent, head, request.block_hashes)
+                self.siblings.observe(family, request.block_hashes)
+            self._apply_family(self.subagents.call(session, parent, head, family))
+        if REWRITE_KEY in extra:
+            self.release_rewritten(session, request.block_hashes)
+        elif HINT_KEY in extra:
+            self.release_divergent(session, request.block_hashes, "in_request")
+        elif release_on_divergence and session in self.sessions.latest:
+            self.release_divergent(session, request.block_hashes, "divergence")
+
+    def group_stats(self) -> list[GroupStats]:
+        return [
+            GroupStats(
+                group=group.index,
+                kind=group.kind,
+                block_size=group.block_size,
+                bindings=table.bindings,
+                **counts,
+            )
+            for group, table, counts in zip(
+                self.groups, self.tables, self._group_counts, strict=True
+            )
+        ]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            segments=Segments(**self.queue.segment_sizes()),
+            pending=self.queue.num_pending,
+            released_reused=self.queue.released_reused,
+            protected_reused=self.queue.protected_reused,
+            children=len(self.subagents),
+            sessions=len(self.sessions),
+            bindings=sum(table.bindings for table in self.tables),
+            sessions_evicted=self.sessions.evicted,
+            num_blocks=self.pool.num_gpu_blocks,
+            groups=self.group_stats(),
+            **self.counters.as_dict(),
+        )
+
+    def check(self, idle: bool) -> list[str]:
+        """Invariant violations of the pool, the queue and the session tables (empty when all
+        hold). ``idle``: no request is running, so nothing may be in use or pending."""
+        queue = self.queue
+        problems = [p for table in self.tables for p in table.check()] + self.subagents.check()
+        known = [set(table.latest) for table in self.tables]
+        if any(k != known[0] for k in known):
+            problems.append("the groups' session tables know different sessions")
+        sizes = queue.segment_sizes()
+        if sum(sizes.values()) != queue.num_free_blocks:
+            problems.append(f"segments {sizes} do not sum to {queue.num_free_blocks} free")
+        free = {b.block_id for b in queue.get_all_free_blocks()}
+        in_use = 0
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            in_use += block.ref_cnt > 0
+            if (block.ref_cnt == 0) != (block.block_id in free):
+                where = "in" if block.block_id in free else "not in"
+                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt}, {where} queue")
+        real = sum(1 for b in self.pool.blocks if not b.is_null)
+        if len(free) + in_use != real:
+            problems.append(f"{len(free)} free + {in_use} in use != {real} blocks")
+        if idle and (in_use or queue.num_pending or self._bound):
+            problems.append(
+                f"idle, yet {in_use} blocks in use, {queue.num_pending} pending, "
+                f"{len(self._bound)} requests bound"
+            )
+        return problems
+
+
+def affinity_of(pool: Any) -> PoolAffinity | None:
+    return getattr(pool, "_jiuwen_affinity", None)
+
+
+def session_of(request: Any) -> str | None:
+    """The request's session (vLLM's ``session_id``, else its ``cache_salt``), scoped to its
+    principal; worked out once per request (this runs on every scheduler step)."""
+    try:
+        return request._jiuwen_session  # type: ignore[no-any-return]
+    except AttributeError:
+        pass
+    session = getattr(request, "session_id", None) or getattr(request, "cache_salt", None)
+    if session:
+        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+        principal = extra.get(PRINCIPAL_KEY)
+        if principal:
+            session = scoped(principal, session)
+    request._jiuwen_session = session
+    return session
