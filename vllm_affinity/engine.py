@@ -108,8 +108,10 @@ def _kv_cache_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) 
     state = affinity_of(instance.block_pool)
     if state is None:
         return
-    state.attach_groups(describe_groups(instance.coordinator))
-    if not instance.enable_caching:
+    groups = describe_groups(instance.coordinator)
+    if groups:  # none: a model whose every group opts out of prefix caching (no KV to track)
+        state.attach_groups(groups)
+    if not instance.enable_caching or not groups:
         # e.g. vLLM's CPU build turns prefix caching off for MLA models on CPUs without AMX
         logger.warning(
             "vllm_affinity: prefix caching is off on this engine: no prompt can hit a cached "

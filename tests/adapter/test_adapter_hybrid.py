@@ -237,3 +237,14 @@ def test_groups_are_reported_with_prefix_caching_off(caplog: pytest.LogCaptureFi
         )  # fmt: skip
     assert [g.kind for g in state_of(manager).groups] == ["mla_attention"]
     assert "prefix caching is off" in caplog.text
+
+
+def test_a_model_with_no_cacheable_group_starts_all_the_same() -> None:
+    """An attention-free model (no KV-cache group, prefix caching off): the engine starts; the
+    plugin keeps its one default group and has nothing to bind."""
+    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
+    manager = KVCacheManager(
+        config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+        enable_caching=False,
+    )  # fmt: skip
+    assert len(state_of(manager).groups) == 1

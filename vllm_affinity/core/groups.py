@@ -41,9 +41,6 @@ class KVGroup:
         straddles their end included."""
         return -(-tokens // self.block_size)
 
-    def label(self) -> str:
-        return f"{self.index}:{self.kind}"
-
 
 def kind_of(spec_class_name: str) -> str:
     """``SlidingWindowSpec`` → ``sliding_window``: a stable label for metrics and docs."""

@@ -97,7 +97,12 @@ class SessionBlocks:
         where the same running request held one there before, the record keeps it (see the
         module's docstring)."""
         old = self.latest.get(session)
-        if old is not None and old.request_id is not None and old.request_id == request_id:
+        if (
+            old is not None
+            and old.request_id is not None
+            and old.request_id == request_id
+            and HOLE in block_ids  # a full-attention table never has one: no Python loop
+        ):
             block_ids = self._kept_where_dropped(old, block_ids)
         if (
             old is not None
