@@ -49,7 +49,8 @@ def computed(calls: list[Request], capacity: int, policy: str, block: int, guard
 
 
 def grid(name: str, trace: Trace, pools: tuple[float, ...], block: int) -> list[dict[str, Any]]:
-    """One row per cell: prompt tokens computed by LRU, the plugin, the plugin without guard."""
+    """One row per cell: prompt tokens computed by LRU, the plugin, the plugin without guard
+    and Belady (the least any eviction order computes)."""
     rows = []
     for signal in SIGNALS:
         for ends in (False, True):
@@ -71,6 +72,7 @@ def grid(name: str, trace: Trace, pools: tuple[float, ...], block: int) -> list[
                         "vanilla": lru,
                         "plugin": computed(calls, capacity, "lifecycle", block, True),
                         "unguarded": computed(calls, capacity, "lifecycle", block, False),
+                        "belady": computed(calls, capacity, "belady", block, True),
                     }
                 )
     return rows
@@ -87,6 +89,12 @@ def synthetic_traces(folder: Path) -> dict[str, Trace]:
     return out
 
 
+def gap_closed(row: dict[str, Any]) -> str:
+    """The share of the LRU → Belady gap (computed tokens) the plugin closes in a cell."""
+    gap = row["vanilla"] - row["belady"]
+    return f"{(row['vanilla'] - row['plugin']) / gap:.0%}" if gap > 0 else "-"
+
+
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
     worse = [r for r in rows if r["plugin"] > r["vanilla"]]
     lines = [
@@ -97,15 +105,16 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         f"{sum(r['unguarded'] > r['vanilla'] for r in rows)} without the idle guard.",
         "",
         "| trace | calls end by | ends | pool | vanilla (LRU) | plugin | vs vanilla "
-        "| no idle guard | vs vanilla |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| no idle guard | vs vanilla | Belady | gap closed |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = r["vanilla"] or 1
         lines.append(
             f"| {r['trace']} | {r['signal']} | {'yes' if r['ends'] else 'no'} | {r['pool']}x "
             f"| {r['vanilla']:,} | {r['plugin']:,} | {r['plugin'] / base - 1:+.1%} "
-            f"| {r['unguarded']:,} | {r['unguarded'] / base - 1:+.1%} |"
+            f"| {r['unguarded']:,} | {r['unguarded'] / base - 1:+.1%} "
+            f"| {r['belady']:,} | {gap_closed(r)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""Offline prefix-cache simulator: the same block-hash trace under four eviction policies.
+"""Offline prefix-cache simulator: the same block-hash trace under several eviction policies.
 
 - ``infinite``: nothing is ever evicted (upper bound of the trace);
 - ``lru``: vLLM-like: uncached blocks are reused first, then cached blocks in LRU order, a
@@ -27,6 +27,19 @@ knows the future):
   last first (who comes back first, known);
 - ``lifecycle+both``: the two together.
 
+Three candidates on signals a server has, for the tight pools where ``lifecycle`` is furthest
+from Belady (``benchmarks/belady_gap.py`` compares them; ``docs/decisions.md``):
+
+- ``lifecycle+loop``: a call that ends in a tool call also idles its session, behind an idle
+  guard of its own (its absences are tool calls, not users): the session whose tool loop
+  outlasts LRU's reach gives its blocks up first (the API server would have to say "tool call");
+- ``lifecycle+reach``: the same on every call end, tool call or answer, as the engine alone
+  sees them (no signal from the API server);
+- ``lifecycle+reuse``: the live (NORMAL) blocks are evicted by predicted return instead of LRU:
+  a session is expected back its last absence (in calls) after its last call, an overdue one
+  as long again as it has been away; a block shared by several sessions is due when the first
+  of them is.
+
 Requests are processed one at a time, as the benchmark replays them. Hits follow vLLM's rules:
 the longest prefix of full blocks found in the cache, at most ``(prompt_tokens - 1) // block``
 blocks (the last token is always computed). Physical blocks are modelled, so a recomputed block
@@ -45,9 +58,12 @@ from vllm_affinity.core.idle_guard import IdleGuard
 
 POLICIES = ("infinite", "lru", "lru_release", "lifecycle", "belady")
 ORACLES = ("lifecycle+early", "lifecycle+order", "lifecycle+both")
+#: Candidates on signals a server has (no oracle): see the module's docstring.
+PREDICTORS = ("lifecycle+loop", "lifecycle+reach", "lifecycle+reuse")
 #: The policies that release a session's stale blocks when its window is rewritten.
-RELEASING = ("lru_release", "lifecycle", *ORACLES)
-_LIFECYCLE = ("lifecycle", *ORACLES)
+RELEASING = ("lru_release", "lifecycle", *ORACLES, *PREDICTORS)
+_LIFECYCLE = ("lifecycle", *ORACLES, *PREDICTORS)
+_LOOP = ("lifecycle+loop", "lifecycle+reach")
 _EARLY = ("lifecycle+early", "lifecycle+both")
 _ORDERED_IDLE = ("lifecycle+order", "lifecycle+both")
 
@@ -93,6 +109,10 @@ class _Cache:
         self.now = 0
         self.evictions = 0  # cached blocks evicted so far: the idle guard's clock
         self.guard = IdleGuard() if idle_guard and policy in _LIFECYCLE else None
+        self.loop_guard = IdleGuard() if policy in _LOOP else None
+        self.last_call: dict[str, int] = {}  # lifecycle+reuse: each session's last call
+        self.gap: dict[str, int] = {}  # and its last absence, in calls
+        self.gap_prior = 1  # the last absence of any session
         self.uses: dict[int, list[int]] = {}
         if policy == "belady" or policy in _ORDERED_IDLE:
             for index, request_hashes in enumerate(hashes):
@@ -110,6 +130,19 @@ class _Cache:
                 hi = mid
         return uses[lo] if lo < len(uses) else 1 << 60
 
+    def _predicted(self, b: int) -> float:
+        """When a block's sessions are expected back: each one's last call plus its last
+        absence (in calls), the soonest of its sessions."""
+        best = 1 << 60
+        for s in self.owners.get(b, ()):
+            last = self.last_call.get(s, 0)
+            gap = self.gap.get(s, self.gap_prior)
+            due = last + gap
+            if due < self.now:  # overdue: expect as long again
+                due = self.now + (self.now - last)
+            best = min(best, due)
+        return best
+
     def _evict_one(self) -> None:
         if self.released:
             victim, _ = self.released.popitem(last=False)
@@ -122,6 +155,9 @@ class _Cache:
             victim, _ = self.idle.popitem(last=False)
         elif not self.order:
             raise CapacityError("the pool cannot hold one request")
+        elif self.policy == "lifecycle+reuse":
+            victim = max(self.order, key=lambda b: (self._predicted(b), self.depth_of[b]))
+            del self.order[victim]
         elif self.policy == "belady":
             victim = max(
                 self.order, key=lambda b: (self._next_use(self.hash_of[b]), self.depth_of[b])
@@ -155,13 +191,18 @@ class _Cache:
             return
         if finish == "end":
             self.release(session, 0)
+        elif self.policy == "lifecycle+reach":  # every end, as the engine sees it
+            self.idle_session(session, self.loop_guard)
+            if finish == "stop":
+                self.idle_session(session, self.guard)
         elif finish == "stop":
-            self.idle_session(session)
+            self.idle_session(session, self.guard)
+        elif self.loop_guard is not None:
+            self.idle_session(session, self.loop_guard)
 
-    def idle_session(self, session: str) -> None:
+    def idle_session(self, session: str, guard: IdleGuard | None) -> None:
         """As the plugin does: the session's blocks that no other session holds, tail first,
         when the idle guard finds it worth it (``vllm_affinity/core/idle_guard.py``)."""
-        guard = self.guard
         if guard is not None:
             worth = guard.worth_idling(session)
             cached = len(self.order) + len(self.idle) + len(self.released)
@@ -175,8 +216,9 @@ class _Cache:
 
     def request(self, session: str, hashes: list[int], tokens: int, generated: int) -> int:
         """Serve one request; returns the number of prompt tokens hit."""
-        if self.guard is not None:
-            self.guard.came_back(session, self.evictions)
+        for guard in (self.guard, self.loop_guard):
+            if guard is not None:
+                guard.came_back(session, self.evictions)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)
@@ -209,6 +251,9 @@ class _Cache:
         for b in blocks:
             self.owners.setdefault(b, set()).add(session)
         self.latest[session] = blocks
+        if session in self.last_call:
+            self.gap[session] = self.gap_prior = self.now - self.last_call[session]
+        self.last_call[session] = self.now
         self.now += 1
         return len(used) * self.block
 
@@ -224,8 +269,24 @@ def simulate(
     """Hit rate of ``requests`` under ``policy`` with a pool of ``capacity`` blocks
     (``idle_guard``: the lifecycle policies act on an idle only when the plugin's guard would,
     as shipped; ``VLLM_AFFINITY_IDLE_GUARD``)."""
-    if policy not in POLICIES + ORACLES:
-        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES + ORACLES}")
+    hits = hits_per_request(requests, capacity, policy, block, generated, idle_guard)
+    hit, queries = sum(hits), sum(len(r.tokens) for r in requests)
+    return {"hit_tokens": hit, "query_tokens": queries, "hit_rate": hit / queries if queries else 0}
+
+
+def hits_per_request(
+    requests: Sequence[Request],
+    capacity: int,
+    policy: str,
+    block: int = 32,
+    generated: int = 4,
+    idle_guard: bool = True,
+) -> list[int]:
+    """Prompt tokens each request hits under ``policy`` (``simulate``'s arguments): what
+    ``jiuwen_replay.gap`` compares call by call between two policies."""
+    known = POLICIES + ORACLES + PREDICTORS
+    if policy not in known:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {known}")
     hashes = [block_hashes(r.tokens, block) for r in requests]
     capacity = 1 << 40 if policy == "infinite" else capacity
     cache = _Cache(capacity, policy, hashes, block, idle_guard)
@@ -236,23 +297,22 @@ def simulate(
         if request.session in last:
             following[last[request.session]] = index
         last[request.session] = index
-    hit = queries = 0
+    hits: list[int] = []
     for index, (request, request_hashes) in enumerate(zip(requests, hashes, strict=True)):
         before = previous.get(request.session)
         if policy in RELEASING and before is not None:
             stale = common_prefix_length(before, request.tokens)
             if stale < len(before):  # rewritten, not appended: release the stale tail
                 cache.release(request.session, stale // block)
-        hit += cache.request(request.session, request_hashes, len(request.tokens), generated)
+        hits.append(cache.request(request.session, request_hashes, len(request.tokens), generated))
         cache.finished(request.session, request.finish)
         if policy in _EARLY and index in following:
             upcoming = requests[following[index]].tokens
             stale = common_prefix_length(request.tokens, upcoming)
             if stale < len(request.tokens):
                 cache.release(request.session, stale // block)
-        queries += len(request.tokens)
         previous[request.session] = request.tokens
-    return {"hit_tokens": hit, "query_tokens": queries, "hit_rate": hit / queries if queries else 0}
+    return hits
 
 
 def working_set(requests: Sequence[Request], block: int = 32) -> int:

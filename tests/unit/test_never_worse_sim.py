@@ -20,3 +20,5 @@ def test_the_plugin_computes_no_more_than_vanilla_in_any_cell(tmp_path: Path) ->
     assert not worse, worse
     # and the plugin saves somewhere: the grid can tell the two apart
     assert any(r["plugin"] < r["vanilla"] for r in finish)
+    # Belady bounds every cell: the gap-closed share the reports print is at most 100%
+    assert all(r["belady"] <= min(r["plugin"], r["vanilla"], r["unguarded"]) for r in rows)

@@ -1,0 +1,100 @@
+"""What Belady keeps that the plugin lets go (``jiuwen_replay.gap``) and the simulator's
+candidate predictors (pure, no server)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jiuwen_replay.gap import CLASSES, call_class, classify
+from jiuwen_replay.simulator import PREDICTORS, Request, hits_per_request, simulate
+
+B = 4
+
+
+def seq(start: int, blocks: int) -> tuple[int, ...]:
+    """``blocks`` full blocks and one token more (all of them hittable); a longer one from the
+    same start extends a shorter one."""
+    return tuple(range(start, start + blocks * B + 1))
+
+
+def test_call_classes() -> None:
+    lead_1 = Request("L", seq(0, 2))
+    calls = [
+        lead_1,  # 0: a lead's first call
+        Request("S", seq(500, 2)),  # 1: a subagent's first call
+        Request("L", seq(0, 3)),  # 2: the lead back from its subagent
+        Request("L", seq(0, 4), finish="stop"),  # 3: a tool loop, away 1 call
+        Request("L", seq(0, 5)),  # 4: back from its user
+        Request("L", seq(0, 1)),  # 5: a rewrite
+        Request("X", seq(900, 1)),
+        Request("X", seq(900, 2)),
+        Request("L", seq(0, 2)),  # 8: a tool loop, away 3 calls
+    ]
+    parents = {"S": "L"}
+    expected = {0: 0, 1: 1, 2: 2, 3: 5, 4: 4, 5: 3, 8: 6}
+    last: dict[str, int] = {}
+    for index, request in enumerate(calls):
+        kind = call_class(calls, index, last.get(request.session), parents)
+        if index in expected:
+            assert kind == CLASSES[expected[index]], index
+        last[request.session] = index
+
+
+def test_classify_accounts_for_every_token_and_refuses_ragged_input() -> None:
+    calls = [Request("a", seq(0, 2)), Request("b", seq(100, 2)), Request("a", seq(0, 3))]
+    shares = classify(calls, {}, [0, 0, 4], [0, 0, 8])
+    assert sum(s.behind for s in shares.values()) == 4
+    assert shares["tool loop, away 2-4 calls"].behind == 4
+    assert sum(s.calls for s in shares.values()) == 3
+    with pytest.raises(ValueError):
+        classify(calls, {}, [0, 0], [0, 0, 8])
+
+
+def cycle(sessions: int, rounds: int, blocks: int) -> list[Request]:
+    """Sessions calling in turn, each prompt growing by one block a call: the tool loops of a
+    lead's concurrent peers."""
+    return [
+        Request(f"s{s}", seq(s * 10_000, blocks + r))
+        for r in range(rounds)
+        for s in range(sessions)
+    ]
+
+
+def test_predicted_return_matches_belady_on_a_cycle_longer_than_the_pool() -> None:
+    """Four sessions in turn, a pool for about two: LRU evicts each session's prompt shortly
+    before it comes back (its prefix survives, its tail does not); evicting the session due
+    back last keeps the others' whole, as Belady does. Idling a tool loop that outlasts LRU's
+    reach is in between."""
+    calls = cycle(4, 8, 3)
+    hits = {
+        p: simulate(calls, 24, p, block=B, generated=1)["hit_tokens"]
+        for p in ("lru", "lifecycle", "lifecycle+loop", "lifecycle+reuse", "belady")
+    }
+    assert hits["lifecycle"] == hits["lru"] < hits["lifecycle+loop"] < hits["lifecycle+reuse"]
+    assert hits["lifecycle+reuse"] == hits["belady"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("abc"),
+            st.integers(0, 3),
+            st.integers(1, 5),
+            st.sampled_from(("tool_calls", "stop", "end")),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    st.integers(min_value=6, max_value=30),
+)
+def test_predictors_stay_within_bounds(
+    spec: list[tuple[str, int, int, str]], capacity: int
+) -> None:
+    calls = [Request(s, seq(v * 100, n), finish) for s, v, n, finish in spec]
+    infinite = hits_per_request(calls, capacity, "infinite", B, 1)
+    for policy in PREDICTORS:
+        hits = hits_per_request(calls, capacity, policy, B, 1)
+        assert all(0 <= h <= i for h, i in zip(hits, infinite, strict=True)), policy
