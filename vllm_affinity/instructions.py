@@ -21,11 +21,12 @@ from collections import OrderedDict
 from typing import Any
 
 from .core import common_prefix_length
+from .core.compaction import INSTRUCTION_ROLES
 
 logger = logging.getLogger(__name__)
 
-#: Chat roles that make up a window's instructions (as ``jiuwen_hooks._diff.head_length``).
-INSTRUCTION_ROLES = ("system", "developer")
+__all__ = ["INSTRUCTION_ROLES", "Instructions"]
+
 #: Two user messages that differ from their first character on.
 _PROBES = ("Alpha", "Omega")
 

@@ -150,3 +150,49 @@ def test_a_side_branch_shares_its_own_sessions_blocks() -> None:
     other.record("t", [1, 9], 64, "r2")
     other.select_release("t", 0)
     assert other.select_release("s", 0).block_ids == [2]  # 1 was another session's too
+
+
+ENVIRONMENT = {"role": "system", "content": "# Environment\ncwd: /repo"}
+
+
+def test_claude_code_turn_one_retry_before_its_environment_block_is_a_retry() -> None:
+    """Claude Code's first turn ends with an inline environment block; an empty answer makes
+    it re-send the turn with the user message changed and the block unchanged after it."""
+    rule = CompactionRule()
+    assert rule.classify("s", main(user("fix it"), ENVIRONMENT)) == "first"
+    assert rule.classify("s", main(user("fix it. Answer in text."), ENVIRONMENT)) == "retry"
+    # the next turn moves the block behind the conversation: trailing instructions aside,
+    # every message is kept
+    turn2 = main(user("fix it. Answer in text."), answer("done"), user("now the test"))
+    assert rule.classify("s", turn2) == "append"
+
+
+def test_opencode_compaction_right_after_the_first_turn_is_a_rewrite() -> None:
+    """opencode's window after a compaction keeps the system prompt and goes on with "What did
+    we do so far?", the summary and the new message: after one turn the old window was the
+    system prompt and one user message, which the old rule read as a retry."""
+    rule = CompactionRule()
+    assert rule.classify("s", main(user("build the parser"))) == "first"
+    after = main(user("What did we do so far?"), answer("Summary: ..."), user("go on"))
+    assert rule.classify("s", after) == "rewrite"
+
+
+def test_a_changed_last_message_followed_by_more_conversation_is_a_rewrite() -> None:
+    rule = CompactionRule()
+    rule.classify("s", main(user("a"), answer("b"), user("c")))
+    assert rule.classify("s", main(user("a"), answer("b"), user("c2"))) == "retry"
+    rule.forget("s")
+    rule.classify("s", main(user("a"), answer("b"), user("c")))
+    assert rule.classify("s", main(user("a"), answer("b"), user("c2"), answer("d"))) == "rewrite"
+    # a changed system prompt with nothing else kept is a rewrite, not a trailing instruction
+    rule.forget("s")
+    rule.classify("s", main(user("a")))
+    other = Window.of([{"role": "system", "content": "v2"}, user("a")], TOOLS)
+    assert rule.classify("s", other) == "rewrite"
+
+
+def test_window_marks_instructions_by_role() -> None:
+    window = Window.of([SYSTEM, user("a"), {"role": "developer", "content": "d"}], TOOLS)
+    assert window.instructions == b"\x01\x00\x01"
+    with pytest.raises(ValueError):
+        Window(True, window.messages, b"\x01")

@@ -17,12 +17,19 @@ session, from two things:
   - a window with tools, when the main thread has none, is the **first** of the main thread:
     what came before was a side branch that reached the server first (nothing released);
   - a window that keeps every message of the main thread is an **append** (a tool loop, a new
-    turn, Claude Code's compaction request itself, which appends its summary instruction);
-  - a window that keeps all but the last message is a **retry** (Claude Code re-sends a changed
-    last user message when an answer had no visible text): the next window decides which one
-    the thread continues, so nothing is released;
-  - anything else drops or changes an earlier message: a **rewrite** (a compaction's new
-    window, a rewind, a masked tool result). The main thread's blocks that the new window
+    turn, Claude Code's compaction request itself, which appends its summary instruction); so
+    is one that changes or moves only the old window's trailing instructions (system or
+    developer messages after its last conversational one, such as Claude Code's environment
+    block on its first turn);
+  - a window whose first change is the old window's last conversational message, and that
+    holds at most one conversational message from there on, is a **retry** (Claude Code
+    re-sends a changed last user message when an answer had no visible text, its environment
+    block after it unchanged): the next window decides which one the thread continues, so
+    nothing is released;
+  - anything else drops or changes an earlier message, or moves on past the changed one: a
+    **rewrite** (a compaction's new window, a rewind, a masked tool result; opencode's
+    compaction right after a session's first turn, whose new window keeps only the
+    instructions and goes on with the summary). The main thread's blocks that the new window
     cannot hit are dead; so are the side branches'.
 
 Messages are compared as canonical digests: content given as text parts equals the same text
@@ -57,6 +64,9 @@ CODEX_MAIN_KIND = "turn"
 #: are its own record, so it never replaces the main thread's (a header value cannot hold it).
 BRANCH_SEPARATOR = "\x1f"
 SIDE_BRANCH = "side"
+#: Chat roles whose messages are instructions, not conversation (the server's instruction
+#: lengths read them too; as ``jiuwen_hooks._diff.head_length``).
+INSTRUCTION_ROLES = frozenset({"system", "developer"})
 #: Content part types that are plain text, whatever the API calls them.
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 #: Keys that say how to cache a message, not what it says.
@@ -75,14 +85,31 @@ def owner_of(session: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """What the rule compares: whether the window carries tools, and its messages' digests."""
+    """What the rule compares: whether the window carries tools, its messages' digests and
+    which of them are instructions (1 for a system or developer message, else 0)."""
 
     has_tools: bool
     messages: array[int]
+    instructions: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.instructions and len(self.instructions) != len(self.messages):
+            raise ValueError("one instruction mark per message is needed")
 
     @classmethod
     def of(cls, messages: Iterable[Any], tools: Any) -> Window:
-        return cls(bool(tools), array("Q", (digest(m) for m in messages)))
+        messages = list(messages)
+        marks = bytes(_role(m) in INSTRUCTION_ROLES for m in messages)
+        return cls(bool(tools), array("Q", (digest(m) for m in messages)), marks)
+
+    def is_instruction(self, index: int) -> bool:
+        return bool(self.instructions) and bool(self.instructions[index])
+
+
+def _role(message: Any) -> Any:
+    if isinstance(message, Mapping):
+        return message.get("role")
+    return getattr(message, "role", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +225,22 @@ def _by_shape(thread: _Thread | None, window: Window) -> Verdict:
     if window.has_tools and not old.has_tools:
         return "first"  # the main thread starts: what came before it was a side branch
     kept = common_prefix_length(old.messages, window.messages)
-    if kept == len(old.messages):
+    dropped = range(kept, len(old.messages))
+    if all(old.is_instruction(i) for i in dropped):  # all kept, trailing instructions aside
         return "append"
-    if kept >= len(old.messages) - 1:
+    if kept == _last_conversational(old) and _conversational(window, kept) <= 1:
         return "retry"
     return "rewrite"
+
+
+def _last_conversational(window: Window) -> int:
+    """The index of the window's last message that is not an instruction (-1: none)."""
+    for index in range(len(window.messages) - 1, -1, -1):
+        if not window.is_instruction(index):
+            return index
+    return -1
+
+
+def _conversational(window: Window, start: int) -> int:
+    """How many of the window's messages from ``start`` on are not instructions."""
+    return sum(not window.is_instruction(i) for i in range(start, len(window.messages)))
