@@ -68,6 +68,11 @@ WRAPPED = {
     "OpenAIServingChat.create_chat_completion",
     "OpenAIServingCompletion.create_completion",
     "OpenAIServingResponses.create_responses",
+    # the streams the finish-reason watcher iterates (``lifecycle._watched_stream``): vLLM's
+    # own generators, suspended under the watcher's frame
+    "OpenAIServingChat.chat_completion_stream_generator",
+    "OpenAIServingCompletion.completion_stream_generator",
+    "OpenAIServingResponses.responses_stream_generator",
 }
 
 

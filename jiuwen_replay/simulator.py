@@ -27,7 +27,7 @@ knows the future):
   last first (who comes back first, known);
 - ``lifecycle+both``: the two together.
 
-Three candidates on signals a server has, for the tight pools where ``lifecycle`` is furthest
+Candidates on signals a server has, for the tight pools where ``lifecycle`` is furthest
 from Belady (``benchmarks/belady_gap.py`` compares them; ``docs/decisions.md``):
 
 - ``lifecycle+loop``: a call that ends in a tool call also idles its session, behind an idle
@@ -38,7 +38,11 @@ from Belady (``benchmarks/belady_gap.py`` compares them; ``docs/decisions.md``):
 - ``lifecycle+reuse``: the live (NORMAL) blocks are evicted by predicted return instead of LRU:
   a session is expected back its last absence (in calls) after its last call, an overdue one
   as long again as it has been away; a block shared by several sessions is due when the first
-  of them is.
+  of them is;
+- ``lifecycle+return``: the same prediction in the shape an engine could run it
+  (``jiuwen_replay/returns.py``): only where LRU's victim is a block one session alone holds,
+  a block of the session due back last (its own, tail first) goes instead, while a guard of
+  bets against LRU's choice trusts it; ``lifecycle+return-unguarded``: always.
 
 Requests are processed one at a time, as the benchmark replays them. Hits follow vLLM's rules:
 the longest prefix of full blocks found in the cache, at most ``(prompt_tokens - 1) // block``
@@ -56,10 +60,19 @@ from dataclasses import dataclass
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.core.idle_guard import IdleGuard
 
+from .returns import ReturnPredictor
+
 POLICIES = ("infinite", "lru", "lru_release", "lifecycle", "belady")
 ORACLES = ("lifecycle+early", "lifecycle+order", "lifecycle+both")
 #: Candidates on signals a server has (no oracle): see the module's docstring.
-PREDICTORS = ("lifecycle+loop", "lifecycle+reach", "lifecycle+reuse")
+PREDICTORS = (
+    "lifecycle+loop",
+    "lifecycle+reach",
+    "lifecycle+reuse",
+    "lifecycle+return",
+    "lifecycle+return-unguarded",
+)
+_RETURN = ("lifecycle+return", "lifecycle+return-unguarded")
 #: The policies that release a session's stale blocks when its window is rewritten.
 RELEASING = ("lru_release", "lifecycle", *ORACLES, *PREDICTORS)
 _LIFECYCLE = ("lifecycle", *ORACLES, *PREDICTORS)
@@ -113,6 +126,7 @@ class _Cache:
         self.last_call: dict[str, int] = {}  # lifecycle+reuse: each session's last call
         self.gap: dict[str, int] = {}  # and its last absence, in calls
         self.gap_prior = 1  # the last absence of any session
+        self.returns = ReturnPredictor() if policy in _RETURN else None
         self.uses: dict[int, list[int]] = {}
         if policy == "belady" or policy in _ORDERED_IDLE:
             for index, request_hashes in enumerate(hashes):
@@ -143,6 +157,36 @@ class _Cache:
             best = min(best, due)
         return best
 
+    def _sole(self, b: int) -> str | None:
+        owners = self.owners.get(b)
+        return next(iter(owners)) if owners is not None and len(owners) == 1 else None
+
+    def _own_tail(self, session: str) -> int | None:
+        """The session's deepest queued block that it alone holds."""
+        for b in reversed(self.latest.get(session, [])):
+            if b in self.order and self._sole(b) == session:
+                return b
+        return None
+
+    def _back_last_or_lru(self) -> int:
+        """lifecycle+return, as an engine's picker would: where LRU's victim is a block one session
+        alone holds, a block of the session predicted back last instead, while the guard
+        trusts the prediction (``jiuwen_replay/returns.py``)."""
+        assert self.returns is not None
+        head = next(iter(self.order))
+        spared = self._sole(head)
+        if spared is None:
+            return head
+        chosen = self.returns.back_last(
+            self.returns.latest_first(), lambda s: self._own_tail(s) is not None
+        )
+        if chosen is None or chosen == spared:
+            return head
+        trusted = self.policy != "lifecycle+return" or self.returns.trusted()
+        self.returns.bet(chosen, spared)
+        victim = self._own_tail(chosen) if trusted else None
+        return head if victim is None else victim
+
     def _evict_one(self) -> None:
         if self.released:
             victim, _ = self.released.popitem(last=False)
@@ -155,6 +199,9 @@ class _Cache:
             victim, _ = self.idle.popitem(last=False)
         elif not self.order:
             raise CapacityError("the pool cannot hold one request")
+        elif self.returns is not None:
+            victim = self._back_last_or_lru()
+            del self.order[victim]
         elif self.policy == "lifecycle+reuse":
             victim = max(self.order, key=lambda b: (self._predicted(b), self.depth_of[b]))
             del self.order[victim]
@@ -219,6 +266,8 @@ class _Cache:
         for guard in (self.guard, self.loop_guard):
             if guard is not None:
                 guard.came_back(session, self.evictions)
+        if self.returns is not None:
+            self.returns.called(session)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jiuwen_replay.gap import CLASSES, call_class, classify
+from jiuwen_replay.returns import ReturnPredictor
 from jiuwen_replay.simulator import PREDICTORS, Request, hits_per_request, simulate
 
 B = 4
@@ -98,3 +99,39 @@ def test_predictors_stay_within_bounds(
     for policy in PREDICTORS:
         hits = hits_per_request(calls, capacity, policy, B, 1)
         assert all(0 <= h <= i for h, i in zip(hits, infinite, strict=True)), policy
+
+
+def test_return_predictor_learns_absences_and_grows_overdue_ones() -> None:
+    returns = ReturnPredictor()
+    assert returns.due("a") == float("inf")
+    for session in ("a", "b", "c", "a"):  # a: away 3 calls
+        returns.called(session)
+    assert returns.now == 4
+    assert returns.due("a") == 3 + 3  # back its last absence after its last call
+    assert returns.due("b") == 1 + 3  # no absence yet: the last one of any session
+    for session in ("x", "y", "z"):
+        returns.called(session)
+    assert returns.now == 7
+    assert returns.due("b") == 7 + (7 - 1)  # overdue: as long again as it has been away
+    assert returns.back_last(returns.latest_first(), lambda s: s in {"a", "b"}) == "b"
+    assert returns.back_last(["a"], lambda s: False) is None
+
+
+def test_return_guard_acts_only_on_won_bets_and_stays_bounded() -> None:
+    returns = ReturnPredictor(max_sessions=3, max_bets=2, window=4)
+    assert not returns.trusted()  # no evidence: LRU's choice
+    returns.bet("x", "y")
+    returns.bet("x", "y")  # once per pair
+    returns.called("y")  # LRU's victim came back first: the prediction was right
+    assert (returns.won, returns.lost) == (1, 0) and returns.trusted()
+    returns.bet("p", "q")
+    returns.called("p")  # the chosen session came back first: lost
+    assert (returns.won, returns.lost) == (1, 1) and not returns.trusted()
+    for pair in (("a", "b"), ("c", "d"), ("e", "f")):
+        returns.bet(*pair)
+    assert len(returns._bets) == 2  # the oldest open bet went first
+    for session in ("s1", "s2", "s3", "s4"):
+        returns.called(session)
+    assert len(returns) == 3
+    with pytest.raises(ValueError):
+        ReturnPredictor(window=0)
