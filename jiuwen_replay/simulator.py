@@ -40,9 +40,10 @@ from Belady (``benchmarks/belady_gap.py`` compares them; ``docs/decisions.md``):
   as long again as it has been away; a block shared by several sessions is due when the first
   of them is;
 - ``lifecycle+return``: the same prediction in the shape an engine could run it
-  (``jiuwen_replay/returns.py``): only where LRU's victim is a block one session alone holds,
-  a block of the session due back last (its own, tail first) goes instead, while a guard of
-  bets against LRU's choice trusts it; ``lifecycle+return-unguarded``: always.
+  (``vllm_affinity/core/returns.py``): only where LRU's victim is a block one session alone
+  holds, a block of the session due back last (its own, tail first) goes instead;
+  ``lifecycle+return`` does so only while a guard of bets against LRU's choice trusts it
+  (``jiuwen_replay/returns.py``).
 
 Requests are processed one at a time, as the benchmark replays them. Hits follow vLLM's rules:
 the longest prefix of full blocks found in the cache, at most ``(prompt_tokens - 1) // block``
@@ -59,8 +60,9 @@ from dataclasses import dataclass
 
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.core.idle_guard import IdleGuard
+from vllm_affinity.core.returns import ReturnPredictor
 
-from .returns import ReturnPredictor
+from .returns import ReturnBets
 
 POLICIES = ("infinite", "lru", "lru_release", "lifecycle", "belady")
 ORACLES = ("lifecycle+early", "lifecycle+order", "lifecycle+both")
@@ -127,6 +129,7 @@ class _Cache:
         self.gap: dict[str, int] = {}  # and its last absence, in calls
         self.gap_prior = 1  # the last absence of any session
         self.returns = ReturnPredictor() if policy in _RETURN else None
+        self.bets = ReturnBets() if policy == "lifecycle+return" else None
         self.uses: dict[int, list[int]] = {}
         if policy == "belady" or policy in _ORDERED_IDLE:
             for index, request_hashes in enumerate(hashes):
@@ -169,23 +172,28 @@ class _Cache:
         return None
 
     def _back_last_or_lru(self) -> int:
-        """lifecycle+return, as an engine's picker would: where LRU's victim is a block one session
-        alone holds, a block of the session predicted back last instead, while the guard
-        trusts the prediction (``jiuwen_replay/returns.py``)."""
+        """lifecycle+return, as the plugin's picker (``PoolAffinity.pick``): where LRU's victim
+        is a block one session alone holds, the deepest own block of the session predicted
+        back last instead, if that is later than the victim's session (and, for the guarded
+        form, while the bets trust it: ``jiuwen_replay/returns.py``)."""
         assert self.returns is not None
         head = next(iter(self.order))
         spared = self._sole(head)
         if spared is None:
             return head
-        chosen = self.returns.back_last(
-            self.returns.latest_first(), lambda s: self._own_tail(s) is not None
-        )
-        if chosen is None or chosen == spared:
-            return head
-        trusted = self.policy != "lifecycle+return" or self.returns.trusted()
-        self.returns.bet(chosen, spared)
-        victim = self._own_tail(chosen) if trusted else None
-        return head if victim is None else victim
+        spared_due = self.returns.due(spared)
+        for chosen in self.returns.back_last_first():
+            if self.returns.due(chosen) < spared_due:
+                return head
+            victim = self._own_tail(chosen)
+            if victim is None:
+                continue
+            if self.bets is None:
+                return victim
+            trusted = self.bets.trusted()
+            self.bets.bet(chosen, spared)
+            return victim if trusted else head
+        return head
 
     def _evict_one(self) -> None:
         if self.released:
@@ -268,6 +276,8 @@ class _Cache:
                 guard.came_back(session, self.evictions)
         if self.returns is not None:
             self.returns.called(session)
+        if self.bets is not None:
+            self.bets.called(session)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)

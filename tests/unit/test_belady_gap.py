@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jiuwen_replay.gap import CLASSES, call_class, classify
-from jiuwen_replay.returns import ReturnPredictor
+from jiuwen_replay.returns import ReturnBets
 from jiuwen_replay.simulator import PREDICTORS, Request, hits_per_request, simulate
+from vllm_affinity.core.returns import ReturnPredictor
 
 B = 4
 
@@ -71,10 +72,18 @@ def test_predicted_return_matches_belady_on_a_cycle_longer_than_the_pool() -> No
     calls = cycle(4, 8, 3)
     hits = {
         p: simulate(calls, 24, p, block=B, generated=1)["hit_tokens"]
-        for p in ("lru", "lifecycle", "lifecycle+loop", "lifecycle+reuse", "belady")
+        for p in (
+            "lru",
+            "lifecycle",
+            "lifecycle+loop",
+            "lifecycle+reuse",
+            "lifecycle+return-unguarded",
+            "belady",
+        )
     }
     assert hits["lifecycle"] == hits["lru"] < hits["lifecycle+loop"] < hits["lifecycle+reuse"]
-    assert hits["lifecycle+reuse"] == hits["belady"]
+    # the engine's form (only where LRU's victim is one session's block) loses nothing here
+    assert hits["lifecycle+reuse"] == hits["lifecycle+return-unguarded"] == hits["belady"]
 
 
 @settings(max_examples=40, deadline=None)
@@ -103,7 +112,7 @@ def test_predictors_stay_within_bounds(
 
 def test_return_predictor_learns_absences_and_grows_overdue_ones() -> None:
     returns = ReturnPredictor()
-    assert returns.due("a") == float("inf")
+    assert returns.due("a") == float("-inf")
     for session in ("a", "b", "c", "a"):  # a: away 3 calls
         returns.called(session)
     assert returns.now == 4
@@ -113,25 +122,28 @@ def test_return_predictor_learns_absences_and_grows_overdue_ones() -> None:
         returns.called(session)
     assert returns.now == 7
     assert returns.due("b") == 7 + (7 - 1)  # overdue: as long again as it has been away
-    assert returns.back_last(returns.latest_first(), lambda s: s in {"a", "b"}) == "b"
-    assert returns.back_last(["a"], lambda s: False) is None
-
-
-def test_return_guard_acts_only_on_won_bets_and_stays_bounded() -> None:
-    returns = ReturnPredictor(max_sessions=3, max_bets=2, window=4)
-    assert not returns.trusted()  # no evidence: LRU's choice
-    returns.bet("x", "y")
-    returns.bet("x", "y")  # once per pair
-    returns.called("y")  # LRU's victim came back first: the prediction was right
-    assert (returns.won, returns.lost) == (1, 0) and returns.trusted()
-    returns.bet("p", "q")
-    returns.called("p")  # the chosen session came back first: lost
-    assert (returns.won, returns.lost) == (1, 1) and not returns.trusted()
-    for pair in (("a", "b"), ("c", "d"), ("e", "f")):
-        returns.bet(*pair)
-    assert len(returns._bets) == 2  # the oldest open bet went first
-    for session in ("s1", "s2", "s3", "s4"):
-        returns.called(session)
-    assert len(returns) == 3
+    assert returns.back_last_first()[0] == "b"
+    assert returns.back_last_first(limit=1) == ["b", "z"]  # the oldest and the latest
+    bounded = ReturnPredictor(max_sessions=2)
+    for session in ("s1", "s2", "s3"):
+        bounded.called(session)
+    assert len(bounded) == 2 and bounded.due("s1") == float("-inf")
     with pytest.raises(ValueError):
-        ReturnPredictor(window=0)
+        ReturnPredictor(max_sessions=0)
+
+
+def test_return_bets_trust_only_won_bets_and_stay_bounded() -> None:
+    bets = ReturnBets(max_bets=2, window=4)
+    assert not bets.trusted()  # no evidence: LRU's choice
+    bets.bet("x", "y")
+    bets.bet("x", "y")  # once per pair
+    bets.called("y")  # LRU's victim came back first: the prediction was right
+    assert (bets.won, bets.lost) == (1, 0) and bets.trusted()
+    bets.bet("p", "q")
+    bets.called("p")  # the chosen session came back first: lost
+    assert (bets.won, bets.lost) == (1, 1) and not bets.trusted()
+    for pair in (("a", "b"), ("c", "d"), ("e", "f")):
+        bets.bet(*pair)
+    assert len(bets._bets) == 2  # the oldest open bet went first
+    with pytest.raises(ValueError):
+        ReturnBets(window=0)
