@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jiuwen_kv_protocol.models import (
@@ -37,10 +37,11 @@ from .core import (
     SessionBlocks,
     first_stale_block,
 )
-from .core.compaction import side_branch
+from .core.compaction import owner_of, side_branch
 from .core.counters import Counters
 from .core.groups import KVGroup
 from .core.idle_guard import IdleGuard
+from .core.returns import ReturnPredictor
 from .core.siblings import SiblingStarts
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
@@ -87,6 +88,10 @@ class PoolAffinity:
         self.siblings = SiblingStarts()
         self._child_end = settings.child_end
         self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
+        self.returns: ReturnPredictor | None = None
+        self._victims: Iterator[tuple[float, Any]] | None = None
+        self._peeked: tuple[float, Any] | None = None
+        self.predict_returns(settings.predict_return)
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, tuple[int, ...]] = {}
@@ -404,6 +409,8 @@ class PoolAffinity:
             return
         if self.idle_guard is not None:
             self.idle_guard.came_back(session, self.queue.cached_reused)
+        if self.returns is not None:
+            self.returns.called(owner_of(session))
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
         parent = extra.get(PARENT_KEY)
@@ -422,6 +429,47 @@ class PoolAffinity:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")
+
+    def predict_returns(self, on: bool) -> None:
+        """Turn the predicted-return picker on (a fresh predictor) or off (LRU's victims)."""
+        self.returns = ReturnPredictor(self._max_sessions) if on else None
+        self.queue.set_picker(self.pick if on else None)
+
+    def pick(self, lru: Any, position: int) -> Any:
+        """The queue's picker (``core/returns.py``): where LRU's victim is a block one session
+        alone holds, the deepest own live block of the session predicted back last instead,
+        unless that session is due back before the victim's."""
+        assert self.returns is not None
+        if position == 0:  # a new pop: the candidates afresh
+            self._victims, self._peeked = None, None
+        spared = next((s for t in self.tables if (s := t.sole_holder(lru.block_id))), None)
+        if spared is None:
+            return lru
+        if self._victims is None:
+            self._victims = self._victim_stream()
+        item = self._peeked or next(self._victims, None)
+        while item is not None and self.queue.segment_of(item[1]) is not Segment.NORMAL:
+            item = next(self._victims, None)  # taken by this pop already
+        self._peeked = item
+        if item is None or item[0] < self.returns.due(spared):
+            return lru
+        self._peeked = None
+        if item[1] is not lru:
+            self.counters.add("blocks_predicted", 1)
+        return item[1]
+
+    def _victim_stream(self) -> Iterator[tuple[float, Any]]:
+        """(due, block): the candidates' own live blocks, the session due back last first,
+        each session's tail first (every group)."""
+        assert self.returns is not None
+        blocks, queue = self.pool.blocks, self.queue
+        for session in self.returns.back_last_first():
+            due = self.returns.due(session)
+            for table in self.tables:
+                for block_id in table.select_idle(session).block_ids:
+                    block = blocks[block_id]
+                    if queue.segment_of(block) is Segment.NORMAL:
+                        yield due, block
 
     def group_stats(self) -> list[GroupStats]:
         return [

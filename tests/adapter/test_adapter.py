@@ -503,3 +503,52 @@ def test_siblings_ends_keep_the_start_their_first_prompts_share() -> None:
     assert sibling(2) == (3 * BLOCK, 3, 4)  # it recomputed block 4; its end keeps it
     assert sibling(3) == (4 * BLOCK, 3, 4)  # the whole shared start is hit
     assert state.check(idle=True) == []
+
+
+def cycle_hits(predict: bool) -> tuple[int, Any]:
+    """Four sessions calling in turn, each prompt a block longer every round, on a pool that
+    holds about two of them: the prompt tokens hit over six rounds."""
+    manager = make_manager(24)  # 23 usable blocks
+    state = state_of(manager)
+    state.predict_returns(predict)
+    hit = 0
+    for round_ in range(6):
+        for s in range(4):
+            request = make_request([*tokens(1000 * s, 3 + round_), 1], session=f"s{s}")
+            state.on_new_request(request, release_on_divergence=False)
+            hit += manager.get_computed_blocks(request)[1]
+            run_prefill(manager, request)
+            manager.free(request)
+    assert_no_leak(manager)
+    assert state.check(idle=False) == []
+    return hit, state
+
+
+def test_predicted_return_keeps_the_sessions_lru_would_evict_next() -> None:
+    """LRU evicts, at each call, the session that calls next; the picker evicts the one that
+    just called (due back last) and the others' prefixes survive."""
+    lru_hits, _ = cycle_hits(predict=False)
+    hits, state = cycle_hits(predict=True)
+    assert hits > lru_hits
+    assert state.stats().blocks_predicted > 0
+    assert cycle_hits(predict=False)[1].stats().blocks_predicted == 0
+
+
+def test_the_picker_leaves_a_block_of_no_session_to_lru() -> None:
+    """LRU's victim that no session alone holds (here: a request of no session) is taken as
+    LRU takes it: the picker only reorders sessions' own blocks."""
+    manager = make_manager(10)  # 9 usable
+    state = state_of(manager)
+    state.predict_returns(True)
+    anonymous = make_request(tokens(0, 3))
+    run_prefill(manager, anonymous)
+    manager.free(anonymous)  # LRU's oldest: no session's
+    for session, start in (("A", 100), ("A", 100), ("B", 500)):
+        request = make_request([*tokens(start, 2), 1], session=session)
+        state.on_new_request(request, release_on_divergence=False)
+        run_prefill(manager, request)
+        manager.free(request)
+    run_prefill(manager, make_request(tokens(900, 3), session="C"))  # 2 free, then 1 cached
+    assert state.stats().blocks_predicted == 0
+    assert manager.get_computed_blocks(make_request([*tokens(0, 3), 1]))[1] < 3 * BLOCK
+    assert_no_leak(manager)

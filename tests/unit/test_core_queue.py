@@ -342,3 +342,30 @@ def test_counters_refuse_undeclared_names() -> None:
     assert stats.counter("releases_child_end") == 1
     with pytest.raises(KeyError, match="undeclared"):
         stats.counter("block_released_childend")  # and where it is read
+
+
+def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
+    """The picker is asked only for the NORMAL blocks a pop reaches, once per block, with LRU's
+    victim; what it names is taken in that order, and anything it should not name (a block
+    already picked, a RELEASED block, a block out of the queue) leaves LRU's choice."""
+    blocks = [FakeBlock(i) for i in range(8)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(6)))  # FREE: 6, 7; NORMAL: 0..5 (LRU first)
+    assert q.release(blocks[5]) is ReleaseResult.MOVED
+    asked: list[tuple[int, int]] = []
+    answers = iter([blocks[4], blocks[4], blocks[5]])
+
+    def picker(lru: Any, position: int) -> Any:
+        asked.append((lru.block_id, position))
+        return next(answers, lru)
+
+    q.set_picker(picker)
+    assert ids(q.popleft_n(2)) == [6, 7]  # FREE alone: never asked
+    assert asked == []
+    # RELEASED first (5), then three NORMAL blocks: the picker's 4, then LRU's 0 and 1
+    assert ids(q.popleft_n(4)) == [5, 4, 0, 1]
+    assert asked == [(0, 0), (0, 1), (1, 2)]
+    assert q.segment_sizes() == {"free": 0, "released": 0, "idle": 0, "normal": 2, "protected": 0}
+    assert ids(q.get_all_free_blocks()) == [2, 3]
+    q.set_picker(None)
+    assert ids(q.popleft_n(2)) == [2, 3]

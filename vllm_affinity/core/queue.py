@@ -33,7 +33,7 @@ the hot loops (``remove``, ``release``), so ``prepend_n`` and popping FREE write
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import IntEnum
 from typing import Any, Protocol
 
@@ -47,6 +47,12 @@ class Block(Protocol):
 
     @property
     def block_hash(self) -> Any: ...
+
+
+#: Asked, block by block, which live block to pop in place of LRU's victim (``head``, the first
+#: NORMAL block); ``position`` is 0 for the first block of a pop. It returns a NORMAL block
+#: (``head`` keeps LRU's choice). ``PoolAffinity.pick``: the session predicted back last.
+Picker = Callable[[Block, int], Block]
 
 
 class Segment(IntEnum):
@@ -121,6 +127,7 @@ class SegmentedFreeBlockQueue:
         self._num_idle = 0  # size of IDLE
         self._num_protected = 0  # size of PROTECTED
         self._pending: set[int] = set()
+        self._picker: Picker | None = None
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
@@ -154,6 +161,8 @@ class SegmentedFreeBlockQueue:
             node.prev_free_block = head
             self._num_free = num_free - n
             return out
+        if self._picker is not None:
+            self._repick(n)
         if self._num_marked:
             return self._pop_through_marked(n, out)
         # What FREE holds, then NORMAL, in vLLM's one loop: FREE's last block is linked to
@@ -317,6 +326,43 @@ class SegmentedFreeBlockQueue:
             if later == len(_POP_ORDER):
                 return
             node = self._heads[_POP_ORDER[later]].next_free_block
+
+    # -- the picker ---------------------------------------------------------------------------
+    def set_picker(self, picker: Picker | None) -> None:
+        """Let ``picker`` choose the live (NORMAL) blocks a pop takes; ``None``: LRU's."""
+        self._picker = picker
+
+    def _repick(self, n: int) -> None:
+        """Before a pop of ``n``: the NORMAL blocks it will take, asked of the picker one by
+        one and moved to the head of NORMAL in that order (they stay NORMAL). A picker that
+        answers anything but a queued NORMAL block leaves LRU's choice."""
+        before = self._num_free + self._num_marked - self._num_protected
+        # num_free_blocks is already net of the n popped
+        normal = self.num_free_blocks + n - self._num_free - self._num_marked
+        take = min(normal, n - before)
+        if take <= 0:
+            return
+        assert self._picker is not None
+        head = self._normal_head
+        picked: list[Block] = []
+        for position in range(take):
+            lru = head.next_free_block
+            block = self._picker(lru, position)
+            if block is not lru and self._segment_index(block) != _NORMAL:
+                block = lru
+            prev, nxt = block.prev_free_block, block.next_free_block
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+            block.prev_free_block = None  # out while picking: the picker cannot name it twice
+            picked.append(block)
+        after = head.next_free_block
+        prev = head
+        for block in picked:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = after
+        after.prev_free_block = prev
 
     # -- release ------------------------------------------------------------------------------
     def release(self, block: Block) -> ReleaseResult:

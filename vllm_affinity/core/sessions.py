@@ -159,6 +159,13 @@ class SessionBlocks:
             self._first_holder.pop(block_id, None)
             self._shared.discard(block_id)
 
+    def sole_holder(self, block_id: int) -> str | None:
+        """The session whose record alone holds the block's content and no other session
+        ever held (side branches count as their session); ``None`` otherwise."""
+        if self._holders.get(block_id, 0) != 1 or block_id in self._shared:
+            return None
+        return self._first_holder.get(block_id)
+
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
         return block_id in self._shared
