@@ -84,6 +84,7 @@ class Scenario:
     peer: str = ""
 
 
+PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "true")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
@@ -97,8 +98,16 @@ SCENARIOS = (
         "protect", plugin=True, lifecycle=True, next_use="finish",
         env=(("VLLM_AFFINITY_PROTECT_SHARE", "0.25"),),
     ),
+    Scenario(
+        "predict", plugin=True, lifecycle=True, next_use="finish",
+        env=(PREDICT,),
+    ),
     Scenario("no-parents", plugin=True, lifecycle=True, next_use="finish", parents=False),
     Scenario("agent-headers", plugin=True, lifecycle=True, next_use="finish", agent_headers=True),
+    Scenario(
+        "agent-headers-predict", plugin=True, lifecycle=True, next_use="finish",
+        agent_headers=True, env=(PREDICT,),
+    ),
     # no answer stops for AgentInfer 0.2: vLLM 0.32 ends a stop-string answer by aborting the
     # request in the engine, and AgentInfer's scheduler dies on any abort there (it expects
     # finish_requests to return (id, count) pairs); its own lifecycle learns from timing
@@ -147,6 +156,7 @@ def run_scenario(
         summary = summarize(result)
         # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
         modelled = {**summary, "agent_headers": False} if scenario.peer else summary
+        modelled = {**modelled, "predict_return": PREDICT in scenario.env}
         check = simulated(trace, options, result, modelled, tokens)
     if check is not None:
         summary["simulator"] = check

@@ -143,6 +143,13 @@ def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
 
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
+    policy = _policy_of(summary, options)
+    if summary.get("predict_return") and policy == "lifecycle":  # VLLM_AFFINITY_PREDICT_RETURN
+        return "lifecycle+return-unguarded"
+    return policy
+
+
+def _policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
     if summary.get("agent_headers"):  # the server tells rewrites from the windows, and
         # with ``next_use`` reads answers from how calls finish (``ANSWER_STOPS``)
         return "lifecycle" if options.next_use != "none" else "lru_release"

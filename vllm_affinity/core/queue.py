@@ -21,6 +21,10 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
 - ``protect`` of a queued NORMAL or IDLE block → tail of PROTECTED (the caller bounds how many:
   PROTECTED is still free, so it never starves an allocation, it only comes last).
 
+A picker (``set_picker``; ``PoolAffinity.pick`` with ``VLLM_AFFINITY_PREDICT_RETURN``) may
+choose which NORMAL blocks a pop takes instead of LRU's: asked once per NORMAL block the pop
+reaches, with LRU's victim; its choices move to the head of NORMAL and are popped from there.
+
 Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
 the segment sizes; RELEASED, IDLE and NORMAL keep insertion order (least recently freed first). A
 released or idle block keeps its hash: it can still be hit until it is actually reused.
