@@ -35,11 +35,37 @@ from .pool_affinity import REWRITE_KEY
 
 
 def is_agent_request(request: Any, headers: Mapping[str, str]) -> bool:
-    """Whether the request carries a coding agent's own session header or
-    ``prompt_cache_key`` (``VLLM_AFFINITY_INFER_COMPACTION=agents``)."""
-    if prompt_cache_key(request) is not None:
+    """Whether the request carries a coding agent's own session header, Qwen Code's request
+    metadata or ``prompt_cache_key`` (``VLLM_AFFINITY_INFER_COMPACTION=agents``)."""
+    if prompt_cache_key(request) is not None or qwen_code_metadata(request) is not None:
         return True
     return any(headers.get(name) for name in CODING_AGENT_HEADERS)
+
+
+def agent_window_of(request: Any, headers: Mapping[str, str]) -> AgentWindow | None:
+    """What the agent says of the request's kind and window: the Codex CLI's headers, else
+    Qwen Code's ``metadata.promptId``; ``None``: nothing (the window's shape decides)."""
+    agent = AgentWindow.from_headers(headers)
+    if agent is None:
+        meta = qwen_code_metadata(request)
+        if meta is not None and meta[1] is not None:
+            agent = AgentWindow.from_qwen_prompt_id(meta[1])
+    return agent
+
+
+def qwen_code_metadata(request: Any) -> tuple[str, str | None] | None:
+    """Qwen Code's body ``metadata`` (sent with ``enableRequestMetadata`` or a DashScope proxy
+    URL): its ``sessionId`` and ``promptId``; ``None`` when there is no usable session id."""
+    meta = getattr(request, "metadata", None)
+    if meta is None:
+        meta = (getattr(request, "model_extra", None) or {}).get("metadata")
+    if not isinstance(meta, Mapping):
+        return None
+    session = meta.get("sessionId")
+    if not isinstance(session, str) or not session.strip() or len(session) > MAX_SESSION_LENGTH:
+        return None
+    prompt_id = meta.get("promptId")
+    return session.strip(), prompt_id if isinstance(prompt_id, str) else None
 
 
 def window_of(request: Any) -> Window | None:
@@ -73,7 +99,7 @@ def apply_compaction_rule(
     window = window_of(request)
     if window is None:
         return named, None
-    verdict = rule.classify(scoped(principal, named), window, AgentWindow.from_headers(headers))
+    verdict = rule.classify(scoped(principal, named), window, agent_window_of(request, headers))
     if verdict == "side":
         request.session_id = side_branch(named)
         return request.session_id, verdict

@@ -16,7 +16,7 @@ from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
-from .agent_windows import apply_compaction_rule, prompt_cache_key
+from .agent_windows import apply_compaction_rule, prompt_cache_key, qwen_code_metadata
 from .core import HintError, ReleaseHint, engine_rank
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
@@ -54,7 +54,8 @@ def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]
     if headers is None or not hasattr(request, "session_id"):
         return  # a request kind without session_id is left alone
     if request.session_id is None:  # a body session_id wins
-        session = session_from_headers(headers, names) or prompt_cache_key(request)
+        session = session_from_headers(headers, names) or qwen_code_session(request)
+        session = session or prompt_cache_key(request)
         if session is not None:
             request.session_id = session
     parent = parent_from_headers(headers, names)
@@ -64,6 +65,12 @@ def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]
         and (PARENT_KEY not in (request.vllm_xargs or {}))
     ):
         request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: parent}
+
+
+def qwen_code_session(request: Any) -> str | None:
+    """Qwen Code's ``metadata.sessionId`` (``agent_windows.qwen_code_metadata``)."""
+    meta = qwen_code_metadata(request)
+    return meta[0] if meta is not None else None
 
 
 def strip_reserved_args(request: Any) -> None:

@@ -197,3 +197,30 @@ def test_a_cut_that_keeps_only_the_instructions_is_told(
     straddles the instructions' end: the next session or sibling may start as this one did."""
     body = {"model": "m", "cache_salt": "s", "messages_released_index": index, **window}
     assert _keeps_only_instructions(ReleaseRequest.model_validate(body)) is only_instructions
+
+
+def test_qwen_code_request_metadata_names_the_session_and_the_request_kind() -> None:
+    """Qwen Code's body ``metadata`` on vLLM's own request class (an extra field there): the
+    session when no header names one, before ``prompt_cache_key``; its ``promptId`` kind."""
+    from vllm_affinity.agent_windows import agent_window_of, is_agent_request, qwen_code_metadata
+    from vllm_affinity.serving import apply_session_headers
+
+    def request(metadata: object) -> ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        return ChatCompletionRequest.model_validate({**body, "metadata": metadata})
+
+    qwen = request({"sessionId": " s-1 ", "promptId": "s-1########3"})
+    assert qwen_code_metadata(qwen) == ("s-1", "s-1########3")
+    assert is_agent_request(qwen, {})
+    assert agent_window_of(qwen, {}).kind == "turn"
+    apply_session_headers(qwen, _Raw({}), Settings().session_headers)
+    assert qwen.session_id == "s-1"
+    headed = request({"sessionId": "s-1"})
+    apply_session_headers(headed, _Raw({"X-Session-ID": "from-header"}), Settings().session_headers)
+    assert headed.session_id == "from-header"  # a header comes first
+    for bad in (None, "s", {"promptId": "x"}, {"sessionId": ""}, {"sessionId": "x" * 600}):
+        plain = request(bad)
+        assert qwen_code_metadata(plain) is None
+        assert not is_agent_request(plain, {})
+    side = request({"sessionId": "s-1", "promptId": "compress-17"})
+    assert agent_window_of(side, {}).kind == "side"

@@ -196,3 +196,38 @@ def test_window_marks_instructions_by_role() -> None:
     assert window.instructions == b"\x01\x00\x01"
     with pytest.raises(ValueError):
         Window(True, window.messages, b"\x01")
+
+
+def test_qwen_code_prompt_ids_tell_main_turns_from_side_requests() -> None:
+    """Qwen Code's ``metadata.promptId``: main turns are ``<sid>########<n>``; its memory
+    extractor (another system prompt, six tools), its next-prompt suggestion (the whole
+    conversation and one more user message) and its compression request are side branches; the
+    window after a compression (start-up context with the state snapshot, then "Got it") is a
+    rewrite by its shape."""
+    main_kind = AgentWindow.from_qwen_prompt_id("abc########2")
+    assert main_kind == AgentWindow("turn", None)
+    for side in ("abc#managed-auto-memory-extractor-9f#0", "abc#managed-auto-dreamer-1#0",
+                 "forked_query", "compress-1764000000000", "abc####", "abc########x"):  # fmt: skip
+        assert AgentWindow.from_qwen_prompt_id(side).kind == "side", side
+    rule = CompactionRule()
+    turn1 = main(user("<startup context>"), answer("Got it."), user("fix the bug"))
+    assert rule.classify("q", turn1, main_kind) == "first"
+    extractor = Window.of([{"role": "system", "content": "Extract memories."}, user("...")], TOOLS)
+    side = AgentWindow.from_qwen_prompt_id("q#managed-auto-memory-extractor-1#0")
+    assert rule.classify("q", extractor, side) == "side"  # tools, yet not the main thread
+    suggestion = main(user("<startup context>"), answer("Got it."), user("fix the bug"),
+                      answer("done"), user("Suggest the next prompt."))  # fmt: skip
+    assert rule.classify("q", suggestion, AgentWindow.from_qwen_prompt_id("forked_query")) == "side"
+    turn2 = main(user("<startup context>"), answer("Got it."), user("fix the bug"),
+                 answer("done"), user("and the test"))  # fmt: skip
+    assert rule.classify("q", turn2, main_kind) == "append"
+    compress = AgentWindow.from_qwen_prompt_id("compress-1")
+    assert rule.classify("q", main(*turn2_messages(), user("Summarize.")), compress) == "side"
+    after = main(user("<startup context><state_snapshot>...</state_snapshot>"),
+                 answer("Got it. Thanks for the additional context!"), user("go on"))  # fmt: skip
+    assert rule.classify("q", after, main_kind) == "rewrite"
+
+
+def turn2_messages() -> list[dict]:
+    return [user("<startup context>"), answer("Got it."), user("fix the bug"), answer("done"),
+            user("and the test")]  # fmt: skip

@@ -7,7 +7,11 @@ session, from two things:
 - **What the agent says.** The Codex CLI names its context window (``x-codex-window-id``,
   ``window_number`` in ``x-codex-turn-metadata``) and each request's kind (``turn``,
   ``compaction``, ``prewarm``, ``memory``, ...). A ``turn`` in a newer window than the session's
-  last one is a rewrite, exactly; any other kind is a side branch.
+  last one is a rewrite, exactly; any other kind is a side branch. Qwen Code (with request
+  metadata on) names each request's kind in ``metadata.promptId``: a main turn's is
+  ``<session>########<n>``, and its window is then judged by its shape as below; the memory
+  extractor, the dreamer, the next-prompt suggestion and the compression request are side
+  branches.
 - **The window's shape, where the agent says nothing** (Claude Code and unknown agents). The
   session's *main thread* is its last window that carried the session's tools; each new window
   is compared with it message by message:
@@ -60,6 +64,10 @@ VERDICTS: tuple[Verdict, ...] = ("first", "append", "retry", "rewrite", "side")
 
 #: Request kinds of the Codex CLI that continue its main thread.
 CODEX_MAIN_KIND = "turn"
+#: Qwen Code's ``metadata.promptId`` of a main turn: ``<session>########<n>``; any other
+#: (``…#managed-auto-memory-extractor-…``, ``…-dreamer-…``, ``forked_query``, ``compress-<ms>``)
+#: is a side request.
+QWEN_MAIN_SEPARATOR = "########"
 #: Joins a session and its side branch in the engine's session key: the side branch's blocks
 #: are its own record, so it never replaces the main thread's (a header value cannot hold it).
 BRANCH_SEPARATOR = "\x1f"
@@ -143,6 +151,14 @@ class AgentWindow:
             return None
         return cls(kind, number)
 
+    @classmethod
+    def from_qwen_prompt_id(cls, prompt_id: str) -> AgentWindow:
+        """Qwen Code's request kind, from its ``metadata.promptId``: a main turn (whose window
+        has no number: its shape decides) or a side request."""
+        _, separator, turn = prompt_id.partition(QWEN_MAIN_SEPARATOR)
+        main = bool(separator) and turn.isdigit()
+        return cls(CODEX_MAIN_KIND if main else SIDE_BRANCH, None)
+
 
 def digest(message: Any) -> int:
     """A message's canonical digest (see the module's docstring)."""
@@ -190,7 +206,7 @@ class CompactionRule:
         """The verdict on ``session``'s new ``window``; the main thread moves to it unless it
         is a side branch."""
         thread = self._threads.get(session)
-        verdict = _by_agent(thread, agent) if agent is not None else _by_shape(thread, window)
+        verdict = _by_agent(thread, agent, window) if agent else _by_shape(thread, window)
         if verdict != "side":
             number = agent.number if agent is not None else None
             if thread is not None and number is None:
@@ -206,14 +222,16 @@ class CompactionRule:
         self._threads.pop(session, None)
 
 
-def _by_agent(thread: _Thread | None, agent: AgentWindow) -> Verdict:
+def _by_agent(thread: _Thread | None, agent: AgentWindow, window: Window) -> Verdict:
+    """The agent's kind decides side or main; a main turn's window number, when it and the
+    thread's are known, decides a rewrite; without numbers the window's shape does."""
     if agent.kind != CODEX_MAIN_KIND:
         return "side"
     if thread is None:
         return "first"
-    if agent.number is not None and thread.number is not None and agent.number > thread.number:
-        return "rewrite"
-    return "append"
+    if agent.number is None or thread.number is None:
+        return _by_shape(thread, window)
+    return "rewrite" if agent.number > thread.number else "append"
 
 
 def _by_shape(thread: _Thread | None, window: Window) -> Verdict:

@@ -12,8 +12,9 @@ of an ordered list of headers that a request carries (``VLLM_AFFINITY_SESSION_HE
 - ``session-id``: the Codex CLI's session (the root thread);
 - ``X-Session-Affinity``: gateways that pin a conversation to a replica, and opencode (which
   also sends ``X-Session-Id``: vLLM's own header, case aside);
-- then the body's ``prompt_cache_key`` (the OpenAI SDK's field; the Codex CLI sets it to its
-  thread), read by ``serving.py``.
+- then Qwen Code's body ``metadata.sessionId`` (with its request metadata on), then the body's
+  ``prompt_cache_key`` (the OpenAI SDK's field; the Codex CLI sets it to its thread), read by
+  ``serving.py``.
 
 A body ``session_id`` comes before all of them (vLLM's own rule).
 
