@@ -6,7 +6,8 @@ before vLLM handles it:
 - ``side``: the request is bound under the session's side-branch key, so that it never
   replaces the main thread's blocks in the engine's session table (it still idles on its own);
 - ``rewrite``: the request carries ``kv_rewrite`` to the engine, which, before the request
-  allocates, releases the side branch and the main thread's blocks this window cannot hit;
+  allocates, releases the side branch (when it carried the old conversation) and the main
+  thread's blocks this window cannot hit;
 - anything else: nothing changes.
 
 The rule's state lives in this API-server process (one digest per message of each session's

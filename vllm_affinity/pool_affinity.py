@@ -194,14 +194,34 @@ class PoolAffinity:
 
     def release_rewritten(self, session: str, chain: list[Any]) -> EngineRelease:
         """A compaction told from the agent's own requests (``core/compaction.py``): the
-        session's side branch is dead (released first, so blocks it shared with the main
-        thread go too), then the main thread's blocks ``chain`` cannot hit. Also when ``chain``
-        shares no block with them: the agent said the old window is gone."""
+        session's side branch, when it carried the old conversation (``_carries_thread``: a
+        compaction or suggestion request), is dead and released first (so blocks it shared with
+        the main thread go too); a short one with a prompt of its own (a session title's) is
+        still used and stays. Then the main thread's blocks ``chain`` cannot hit, also when
+        ``chain`` shares no block with them: the agent said the old window is gone."""
         branch = side_branch(session)
-        side = [table.select_release(branch, 0) for table in self.tables]
-        for table in self.tables:
-            table.forget(branch)
+        side: list[ReleaseSelection] = []
+        if self._carries_thread(branch, session):
+            side = [table.select_release(branch, 0) for table in self.tables]
+            for table in self.tables:
+                table.forget(branch)
         return self.release_divergent(session, chain, "compaction", also=side)
+
+    def _carries_thread(self, branch: str, session: str) -> bool:
+        """Whether ``branch``'s latest request carried ``session``'s conversation: it starts
+        with the main thread's first block, or its prompt is at least half as long as the main
+        thread's (another system prompt before the same history)."""
+        side, main = self.sessions.latest.get(branch), self.sessions.latest.get(session)
+        if side is None:
+            return False
+        if main is None or 2 * side.num_prompt_tokens >= main.num_prompt_tokens:
+            return True
+        for table in self.tables:
+            side_ids = table.latest[branch].block_ids if branch in table.latest else None
+            main_ids = table.latest[session].block_ids if session in table.latest else None
+            if side_ids and main_ids and HOLE not in (side_ids[0], main_ids[0]):
+                return side_ids[0] == main_ids[0]
+        return False
 
     def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
         """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot

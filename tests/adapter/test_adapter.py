@@ -552,3 +552,47 @@ def test_the_picker_leaves_a_block_of_no_session_to_lru() -> None:
     assert state.stats().blocks_predicted == 0
     assert manager.get_computed_blocks(make_request([*tokens(0, 3), 1]))[1] < 3 * BLOCK
     assert_no_leak(manager)
+
+
+def rewrite_with_side_branch(side_blocks: int) -> tuple[Any, Any, list[int]]:
+    """A main thread of 8 blocks and a side request of its own prompt (``side_blocks``), then
+    the main thread's compacted window (its first block kept) told as a rewrite."""
+    from vllm_affinity.core.compaction import side_branch
+    from vllm_affinity.engine import REWRITE_KEY
+
+    manager = make_manager(40)
+    state = state_of(manager)
+    main = make_request([*tokens(0, 8), 1], session="cc")
+    run_prefill(manager, main)
+    manager.free(main)
+    side = make_request([*tokens(5000, side_blocks), 1], session=side_branch("cc"))
+    side_ids = run_prefill(manager, side)[:side_blocks]
+    manager.free(side)
+    params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
+    compacted = make_request(
+        [*tokens(0, 1), *tokens(900, 2), 1], session="cc", sampling_params=params
+    )
+    state.on_new_request(compacted, release_on_divergence=False)
+    return manager, state, side_ids
+
+
+def test_a_rewrite_keeps_a_short_side_branch_with_a_prompt_of_its_own() -> None:
+    """Claude Code's session-title request (its own system prompt, short) is hit again by the
+    next title request: a compaction of the main thread releases the main thread's dead blocks
+    and leaves the title's."""
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=2)
+    segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids]
+    assert segments == [Segment.NORMAL, Segment.NORMAL]
+    assert state.stats().releases_compaction == 1
+    assert state.stats().block_released_compaction == 7  # the main thread after its first block
+    assert_no_leak(manager)
+
+
+def test_a_rewrite_releases_a_side_branch_that_carried_the_conversation() -> None:
+    """A compaction request of another system prompt before the same history (opencode's,
+    the Codex CLI's) is as long as the main thread: dead once the window is rewritten."""
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6)
+    segments = {state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids}
+    assert segments == {Segment.RELEASED}
+    assert state.stats().block_released_compaction == 7 + 6
+    assert_no_leak(manager)

@@ -34,7 +34,8 @@ session, from two things:
     **rewrite** (a compaction's new window, a rewind, a masked tool result; opencode's
     compaction right after a session's first turn, whose new window keeps only the
     instructions and goes on with the summary). The main thread's blocks that the new window
-    cannot hit are dead; so are the side branches'.
+    cannot hit are dead; so is a side branch that carried the old conversation (the engine
+    keeps a short one with a prompt of its own: ``PoolAffinity.release_rewritten``).
 
 Messages are compared as canonical digests: content given as text parts equals the same text
 given as a string, and ``cache_control`` marks (which agents move to the newest message every
