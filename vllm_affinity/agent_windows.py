@@ -5,6 +5,9 @@ before vLLM handles it:
 
 - ``side``: the request is bound under the session's side-branch key, so that it never
   replaces the main thread's blocks in the engine's session table (it still idles on its own);
+- ``retry``: the request carries ``kv_retry``: the engine keeps the replaced window apart, and
+  the session's next request releases what of it that request cannot hit (the replaced
+  message, when the thread goes on from the retry);
 - ``rewrite``: the request carries ``kv_rewrite`` to the engine, which, before the request
   allocates, releases the side branch (when it carried the old conversation) and the main
   thread's blocks this window cannot hit;
@@ -32,7 +35,7 @@ from .core.compaction import (
 )
 from .core.session_headers import MAX_SESSION_LENGTH
 from .core.tenants import scoped
-from .pool_affinity import REWRITE_KEY
+from .pool_affinity import RETRY_KEY, REWRITE_KEY
 
 
 def is_agent_request(request: Any, headers: Mapping[str, str]) -> bool:
@@ -104,8 +107,9 @@ def apply_compaction_rule(
     if verdict == "side":
         request.session_id = side_branch(named)
         return request.session_id, verdict
-    if verdict == "rewrite" and hasattr(request, "vllm_xargs"):
-        request.vllm_xargs = {**(request.vllm_xargs or {}), REWRITE_KEY: verdict}
+    key = {"rewrite": REWRITE_KEY, "retry": RETRY_KEY}.get(verdict)
+    if key is not None and hasattr(request, "vllm_xargs"):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), key: verdict}
     return named, verdict
 
 

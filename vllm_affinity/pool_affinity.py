@@ -37,7 +37,7 @@ from .core import (
     SessionBlocks,
     first_stale_block,
 )
-from .core.compaction import owner_of, side_branch
+from .core.compaction import owner_of, retried_branch, side_branch
 from .core.counters import Counters
 from .core.groups import KVGroup
 from .core.idle_guard import IdleGuard
@@ -56,10 +56,13 @@ PRINCIPAL_KEY = "kv_principal"
 #: Key of a compaction the API server told from the agent's own requests
 #: (``core/compaction.py``): the request's window rewrote its session's main thread.
 REWRITE_KEY = "kv_rewrite"
+#: Key of a retry the API server told (``core/compaction.py``): the request's window replaced
+#: its main thread's last message; the replaced window is kept apart until the next one.
+RETRY_KEY = "kv_retry"
 #: Key of a subagent's instruction length in tokens (``instructions.py``): its end keeps them.
 HEAD_KEY = "kv_head"
 #: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
-RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY, HEAD_KEY)
+RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY, RETRY_KEY, HEAD_KEY)
 
 
 class PoolAffinity:
@@ -443,12 +446,26 @@ class PoolAffinity:
                 family = self._sibling_family(parent, head, request.block_hashes)
                 self.siblings.observe(family, request.block_hashes)
             self._apply_family(self.subagents.call(session, parent, head, family))
+        retried = retried_branch(session)
+        if RETRY_KEY in extra:
+            for table in self.tables:  # the replaced window waits apart for the next one
+                table.move(session, retried)
+        elif retried in self.sessions.latest:
+            self._settle_retry(retried, request.block_hashes)
         if REWRITE_KEY in extra:
             self.release_rewritten(session, request.block_hashes)
         elif HINT_KEY in extra:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")
+
+    def _settle_retry(self, retried: str, chain: list[Any]) -> None:
+        """The window after a retry says which branch the thread continues: the replaced
+        window's blocks this prompt cannot hit are dead (the blocks the main thread still holds
+        stay), in every group."""
+        self.release_divergent(retried, chain, "compaction")
+        for table in self.tables:
+            table.forget(retried)
 
     def predict_returns(self, on: bool) -> None:
         """Turn the predicted-return picker on (a fresh predictor) or off (LRU's victims)."""

@@ -596,3 +596,37 @@ def test_a_rewrite_releases_a_side_branch_that_carried_the_conversation() -> Non
     assert segments == {Segment.RELEASED}
     assert state.stats().block_released_compaction == 7 + 6
     assert_no_leak(manager)
+
+
+def test_a_retry_the_next_window_continues_from_releases_the_replaced_message() -> None:
+    """Claude Code re-sends a turn whose answer was empty with its last user message changed
+    (``retry``): nothing is released then; the next window goes on from the retry, and the
+    replaced message's blocks are released, the shared prefix kept."""
+    from vllm_affinity.engine import RETRY_KEY
+
+    manager = make_manager(40)
+    state = state_of(manager)
+    prefix = tokens(0, 4)
+
+    def call(prompt: list[int], retry: bool = False) -> Any:
+        params = SamplingParams(max_tokens=4, extra_args={RETRY_KEY: "retry"} if retry else None)
+        request = make_request([*prompt, 1], session="cc", sampling_params=params)
+        state.on_new_request(request, release_on_divergence=False)
+        blocks = run_prefill(manager, request)
+        manager.free(request)
+        return blocks
+
+    replaced = call([*prefix, *tokens(100, 3)])[4:7]  # the original last message: 3 blocks
+    call([*prefix, *tokens(200, 3)], retry=True)
+    assert state.stats().releases_compaction == 0
+    assert {state.queue.segment_of(manager.block_pool.blocks[b]) for b in replaced} == {
+        Segment.NORMAL
+    }
+    call([*prefix, *tokens(200, 3), *tokens(300, 2)])  # the thread goes on from the retry
+    stats = state.stats()
+    assert stats.releases_compaction == 1 and stats.block_released_compaction == 3
+    assert {state.queue.segment_of(manager.block_pool.blocks[b]) for b in replaced} == {
+        Segment.RELEASED
+    }
+    assert state.check(idle=False) == []
+    assert_no_leak(manager)

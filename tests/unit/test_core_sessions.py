@@ -297,3 +297,16 @@ def test_first_stale_block_skips_holes_and_reads_each_blocks_boundary() -> None:
     # an uncached block (the partial tail) is stale, as is anything past the chain
     assert first_stale_block([("h0", 1), (None, 2)], chain) == 1
     assert first_stale_block([], chain) == 0
+
+
+def test_move_hands_a_finished_record_to_another_key_holding_the_same_blocks() -> None:
+    table = SessionBlocks()
+    table.record("a", [1, 2, 3], 48, "r1")
+    assert not table.move("a", "a-old")  # still running
+    table.request_finished("a", "r1")
+    table.record("a-old", [9], 16, "r0")
+    assert table.move("a", "a-old")
+    assert "a" not in table.latest and list(table.latest["a-old"].block_ids) == [1, 2, 3]
+    assert table.holders(1) == 1 and table.holders(9) == 0  # the replaced record let go
+    assert not table.move("missing", "x")
+    assert table.check() == []

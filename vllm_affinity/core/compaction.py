@@ -82,9 +82,18 @@ _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 _IGNORED_KEYS = frozenset({"cache_control"})
 
 
+#: The branch a retry replaced, kept until the next window says which one the thread continues.
+RETRIED_BRANCH = "retried"
+
+
 def side_branch(session: str) -> str:
     """The engine's key for ``session``'s side branch."""
     return f"{session}{BRANCH_SEPARATOR}{SIDE_BRANCH}"
+
+
+def retried_branch(session: str) -> str:
+    """The engine's key for the main-thread window a retry of ``session`` replaced."""
+    return f"{session}{BRANCH_SEPARATOR}{RETRIED_BRANCH}"
 
 
 def owner_of(session: str) -> str:

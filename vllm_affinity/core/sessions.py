@@ -145,6 +145,16 @@ class SessionBlocks:
         if record is not None and record.request_id == request_id:
             record.request_id = None
 
+    def move(self, session: str, to: str) -> bool:
+        """``session``'s finished latest record becomes ``to``'s (whose own record is let go),
+        holding the same blocks; False (nothing changes) when there is none or it runs."""
+        record = self.latest.get(session)
+        if record is None or record.request_id is not None:
+            return False
+        self.forget(to)
+        self.latest[to] = self.latest.pop(session)
+        return True
+
     def forget(self, session: str) -> None:
         """The session leaves the table: it holds nothing any more."""
         record = self.latest.pop(session, None)
