@@ -200,14 +200,21 @@ class PoolAffinity:
         session's side branch, when it carried the old conversation (``_carries_thread``: a
         compaction or suggestion request), is dead and released first (so blocks it shared with
         the main thread go too); a short one with a prompt of its own (a session title's) is
-        still used and stays. Then the main thread's blocks ``chain`` cannot hit, also when
-        ``chain`` shares no block with them: the agent said the old window is gone."""
+        still used and stays. A retry's replaced window goes too, past what ``chain`` hits.
+        Then the main thread's blocks ``chain`` cannot hit, also when ``chain`` shares no block
+        with them: the agent said the old window is gone. One release in all."""
         branch = side_branch(session)
         side: list[ReleaseSelection] = []
         if self._carries_thread(branch, session):
             side = [table.select_release(branch, 0) for table in self.tables]
             for table in self.tables:
                 table.forget(branch)
+        retried = retried_branch(session)
+        if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
+            firsts = self._first_stale(retried, chain)
+            side += [t.select_release(retried, f) for t, f in zip(self.tables, firsts, strict=True)]
+            for table in self.tables:
+                table.forget(retried)
         return self.release_divergent(session, chain, "compaction", also=side)
 
     def _carries_thread(self, branch: str, session: str) -> bool:
@@ -450,7 +457,7 @@ class PoolAffinity:
         if RETRY_KEY in extra:
             for table in self.tables:  # the replaced window waits apart for the next one
                 table.move(session, retried)
-        elif retried in self.sessions.latest:
+        elif retried in self.sessions.latest and REWRITE_KEY not in extra:
             self._settle_retry(retried, request.block_hashes)
         if REWRITE_KEY in extra:
             self.release_rewritten(session, request.block_hashes)

@@ -630,3 +630,36 @@ def test_a_retry_the_next_window_continues_from_releases_the_replaced_message() 
     }
     assert state.check(idle=False) == []
     assert_no_leak(manager)
+
+
+def test_a_rewrite_after_a_retry_releases_both_windows_in_one_release() -> None:
+    """Claude Code sends its compaction request twice, the second changed (a retry); the window
+    after the compaction (a rewrite) releases the main thread's and the replaced window's dead
+    blocks, in one release."""
+    from vllm_affinity.core.compaction import retried_branch
+    from vllm_affinity.engine import RETRY_KEY, REWRITE_KEY
+
+    manager = make_manager(40)
+    state = state_of(manager)
+    prefix = tokens(0, 2)
+
+    def call(prompt: list[int], key: str | None = None) -> list[int]:
+        params = SamplingParams(max_tokens=4, extra_args={key: "x"} if key else None)
+        request = make_request([*prompt, 1], session="cc", sampling_params=params)
+        state.on_new_request(request, release_on_divergence=False)
+        blocks = run_prefill(manager, request)
+        manager.free(request)
+        return blocks
+
+    first = call([*prefix, *tokens(100, 4), *tokens(500, 1)])  # the summary request
+    second = call([*prefix, *tokens(100, 4), *tokens(600, 1)], RETRY_KEY)  # re-sent, changed
+    call([*prefix, *tokens(900, 2)], REWRITE_KEY)  # the window after the compaction
+    stats = state.stats()
+    assert stats.releases_compaction == 1
+    dead = {*first[2:7], *second[2:7]}  # the history and both summary instructions
+    assert stats.block_released_compaction == len(dead) == 6
+    assert {state.queue.segment_of(manager.block_pool.blocks[b]) for b in dead} == {
+        Segment.RELEASED
+    }
+    assert retried_branch("cc") not in state.sessions.latest
+    assert_no_leak(manager)
