@@ -14,7 +14,7 @@ from jiuwen_kv_protocol.models import ReleaseRequest
 from vllm_affinity.core import HintError, ReleaseHint, engine_rank
 from vllm_affinity.engine import HINT_KEY
 from vllm_affinity.release_service import _keeps_only_instructions
-from vllm_affinity.serving import apply_cache_sharing, apply_release_hint
+from vllm_affinity.request_path import apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
 
 
@@ -203,7 +203,7 @@ def test_qwen_code_request_metadata_names_the_session_and_the_request_kind() -> 
     """Qwen Code's body ``metadata`` on vLLM's own request class (an extra field there): the
     session when no header names one, before ``prompt_cache_key``; its ``promptId`` kind."""
     from vllm_affinity.agent_windows import agent_window_of, is_agent_request, qwen_code_metadata
-    from vllm_affinity.serving import apply_session_headers
+    from vllm_affinity.request_path import apply_session_headers
 
     def request(metadata: object) -> ChatCompletionRequest:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

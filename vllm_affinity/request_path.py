@@ -1,0 +1,287 @@
+"""vLLM adapter, API-server side: the request's path, as named steps in order.
+
+Before vLLM handles a parsed chat, completion or Responses request, ``serving.py`` runs it
+through ``STEPS``, each a function of one ``RequestPath`` (what the earlier steps read and
+decided), each testable alone:
+
+1. ``cache_sharing``: the ``cache_sharing`` body field (the salt dropped, the session kept);
+2. ``session_source``: the agents' own session headers, Qwen Code's metadata,
+   ``prompt_cache_key``, and a subagent's parent;
+3. ``principal``: the caller's tenant (``core/tenants.py``);
+4. ``session``: the key the engine binds under, judged by the compaction rule (a side branch's
+   key, a rewrite or retry for the engine: ``agent_windows.py``);
+5. ``next_use``: ``X-KV-Next-Use``, validated (a malformed one is refused);
+6. ``engine``: a data-parallel server's engine for the session;
+7. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core.
+
+A step refuses a request by raising ``Refusal`` (answered with vLLM's own 400, counted). After
+vLLM's call, ``finish`` adds a subagent's instruction length and the lifecycle watch. A new
+session source or rule is a new step in the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import propagate, trace
+
+from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_HEADER
+from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
+
+from .agent_windows import apply_compaction_rule, prompt_cache_key, qwen_code_metadata
+from .core import HintError, ReleaseHint, engine_rank
+from .core.compaction import Verdict
+from .core.lifecycle import HEADER as NEXT_USE_HEADER
+from .core.lifecycle import NextUseError, parse_next_use
+from .core.session_headers import parent_from_headers, session_from_headers
+from .core.tenants import UNSCOPED, scoped
+from .lifecycle import watched
+from .pool_affinity import HEAD_KEY, HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
+from .release_service import ReleaseService
+from .settings import Settings
+
+tracer = trace.get_tracer("vllm_affinity")
+
+
+class Refusal(Exception):
+    """A step refuses the request: vLLM's 400 with this message; ``count`` notes it."""
+
+    def __init__(self, message: str, count: Callable[[], None]) -> None:
+        super().__init__(message)
+        self.count = count
+
+
+@dataclass(slots=True)
+class RequestPath:
+    """One request on its way to vLLM: its parts, and what each step read or decided."""
+
+    settings: Settings
+    serving: Any  # vLLM's serving instance (its ``_get_session_id``, its error answers)
+    request: Any
+    raw_request: Any
+    service: ReleaseService | None  # None: the plugin's routes are not attached
+    count_hint: Callable[[str], None]
+    principal: str = UNSCOPED
+    owner: str | None = None  # the session, scoped, before any branch key
+    session: str | None = None  # the key the engine binds under, scoped
+    verdict: Verdict | None = None  # the compaction rule's, when it applied
+    next_use: float | None = None
+
+
+Step = Callable[[RequestPath], None]
+
+
+def cache_sharing(path: RequestPath) -> None:
+    apply_cache_sharing(path.request, path.settings.allow_cache_sharing)
+
+
+def session_source(path: RequestPath) -> None:
+    apply_session_headers(path.request, path.raw_request, path.settings.session_headers)
+
+
+def principal(path: RequestPath) -> None:
+    if path.service is not None:
+        path.principal = path.service.principal_of(path.raw_request)
+        apply_principal(path.request, path.principal)
+
+
+def session(path: RequestPath) -> None:
+    """The engine's key for the request, after the compaction rule's verdict."""
+    if path.service is None:
+        return
+    named = session_key(path.serving, path.request, path.raw_request)
+    if not named:
+        return
+    path.owner = scoped(path.principal, named)
+    named, path.verdict = apply_compaction_rule(
+        path.service.compaction,
+        path.request,
+        path.raw_request.headers,
+        path.principal,
+        named,
+        path.settings.infer_compaction,
+    )
+    if path.verdict is not None:
+        path.service.metrics.count_window(path.verdict)
+    path.session = scoped(path.principal, named)
+
+
+def next_use(path: RequestPath) -> None:
+    if not (path.settings.lifecycle and path.session):
+        return
+    try:
+        path.next_use = read_next_use(path.raw_request)
+    except NextUseError as exc:
+        service = path.service
+        assert service is not None
+        raise Refusal(str(exc), lambda: service.metrics.count_lifecycle("invalid")) from None
+
+
+def engine(path: RequestPath) -> None:
+    if path.settings.dp_session_affinity and path.owner and path.service is not None:
+        pin_session_to_engine(path.service, path.owner, path.raw_request)  # a side branch too
+
+
+def release_hint(path: RequestPath) -> None:
+    try:
+        hint = apply_release_hint(path.request, path.raw_request)
+    except HintError as exc:
+        raise Refusal(str(exc), lambda: path.count_hint("invalid")) from None
+    if hint is not None:
+        path.count_hint("accepted")
+        _hint_span(path.raw_request, hint)
+
+
+#: The request's path, in order.
+STEPS: tuple[Step, ...] = (
+    cache_sharing,
+    session_source,
+    principal,
+    session,
+    next_use,
+    engine,
+    release_hint,
+)
+
+
+def finish(path: RequestPath, call: Any) -> Any:
+    """After vLLM's call is made (not started): a subagent's instruction length, and the
+    lifecycle watch of how the call ends."""
+    settings, service, session_ = path.settings, path.service, path.session
+    if not session_ or service is None:
+        return call
+    if settings.child_end == "release" and _names_parent(path.request):
+        call = with_instructions(service, session_, path.request, call)
+    if settings.lifecycle:
+        named_tool = not isinstance(getattr(path.request, "tool_choice", None), str | None)
+        on_finish = service.idle_signals.on_finish(
+            session_, path.next_use, named_tool, side_branch=path.verdict == "side"
+        )
+        return watched(call, on_finish)
+    return call
+
+
+def apply_cache_sharing(request: Any, allow_sharing: bool) -> None:
+    """``cache_sharing: true`` on a chat/completion request (kept by vLLM among the request's
+    extra fields): drop ``cache_salt`` so identical prefixes are shared across sessions, and keep
+    the session as ``session_id`` (block binding stays per session). ``cache_sharing`` itself
+    is removed either way. When sharing is refused by the server settings, the salt is kept."""
+    extra = request.model_extra
+    if not extra or "cache_sharing" not in extra:
+        return
+    sharing = extra.pop("cache_sharing")
+    salt = request.cache_salt
+    if sharing is True and allow_sharing and isinstance(salt, str) and salt:
+        if not request.session_id:
+            request.session_id = salt
+        request.cache_salt = None
+
+
+def apply_session_headers(request: Any, raw_request: Any, names: tuple[str, ...]) -> None:
+    """A request that names no session in its body gets the one its headers name (the agents'
+    own session headers: ``core/session_headers.py``), as vLLM's own ``session_id``; a
+    subagent's parent goes to the engine in ``vllm_xargs`` (unless ``agent_hint`` named it)."""
+    headers = getattr(raw_request, "headers", None)
+    if headers is None or not hasattr(request, "session_id"):
+        return  # a request kind without session_id is left alone
+    if request.session_id is None:  # a body session_id wins
+        session = session_from_headers(headers, names) or qwen_code_session(request)
+        session = session or prompt_cache_key(request)
+        if session is not None:
+            request.session_id = session
+    parent = parent_from_headers(headers, names)
+    if (
+        parent is not None
+        and hasattr(request, "vllm_xargs")
+        and (PARENT_KEY not in (request.vllm_xargs or {}))
+    ):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), PARENT_KEY: parent}
+
+
+def qwen_code_session(request: Any) -> str | None:
+    """Qwen Code's ``metadata.sessionId`` (``agent_windows.qwen_code_metadata``)."""
+    meta = qwen_code_metadata(request)
+    return meta[0] if meta is not None else None
+
+
+def strip_reserved_args(request: Any) -> None:
+    """A client's own ``vllm_xargs`` may not carry the keys only the plugin sets (a principal,
+    a parent, an in-request release): they would let it act as another tenant."""
+    xargs = getattr(request, "vllm_xargs", None)
+    if xargs and any(key in xargs for key in RESERVED_KEYS):
+        request.vllm_xargs = {k: v for k, v in xargs.items() if k not in RESERVED_KEYS}
+
+
+def apply_principal(request: Any, principal: str) -> None:
+    """The engine scopes the request's session to ``principal`` (``core/tenants.py``)."""
+    if principal != UNSCOPED and hasattr(request, "vllm_xargs"):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), PRINCIPAL_KEY: principal}
+
+
+def session_key(serving: Any, request: Any, raw_request: Any) -> str | None:
+    """The key the engine binds a request's blocks under: vLLM's own session id (the body's
+    ``session_id``, ``X-Session-ID``, ``vllm_xargs``), else the cache salt."""
+    return serving._get_session_id(request, raw_request) or getattr(request, "cache_salt", None)
+
+
+def pin_session_to_engine(service: ReleaseService, session: str, raw_request: Any) -> None:
+    """On a data-parallel server, note the engine that serves ``session`` for
+    ``_get_data_parallel_rank``: the session's cache and its releases stay on one engine (see
+    ``core/placement.py``)."""
+    if service.data_parallel_size > 1:
+        rank = engine_rank(session, service.data_parallel_size)
+        raw_request.state.jiuwen_engine_rank = rank
+
+
+def apply_release_hint(request: Any, raw_request: Any) -> ReleaseHint | None:
+    """Carry a valid ``X-KV-Release`` hint to the engine core in ``vllm_xargs`` (which vLLM
+    passes on as ``sampling_params.extra_args``). Raises ``HintError`` for a malformed value."""
+    headers = getattr(raw_request, "headers", None)
+    value = headers.get(HINT_HEADER) if headers is not None else None
+    if value is None:
+        return None
+    hint = ReleaseHint.parse(value)
+    request.vllm_xargs = {**(request.vllm_xargs or {}), HINT_KEY: hint.header_value()}
+    return hint
+
+
+def _names_parent(request: Any) -> bool:
+    return PARENT_KEY in (getattr(request, "vllm_xargs", None) or {})
+
+
+async def with_instructions(service: ReleaseService, session: str, request: Any, call: Any) -> Any:
+    """A subagent's request tells the engine how many of its leading tokens are instructions
+    (``instructions.py``), which its end keeps; then vLLM handles it."""
+    tokens = await service.instructions.tokens(session, request)
+    if tokens:
+        request.vllm_xargs = {**(request.vllm_xargs or {}), HEAD_KEY: tokens}
+    return await call
+
+
+def read_next_use(raw_request: Any) -> float | None:
+    """The ``X-KV-Next-Use`` seconds, if sent. Raises ``NextUseError`` for a malformed value."""
+    value = raw_request.headers.get(NEXT_USE_HEADER)
+    return None if value is None else parse_next_use(value)
+
+
+def _hint_span(raw_request: Any, hint: ReleaseHint) -> None:
+    """A short span per in-request release, joined to the caller's trace when it sent one; the
+    blocks it released are counted in the engine (``/affinity/stats``, ``/metrics``)."""
+    headers = getattr(raw_request, "headers", None)
+    ctx = propagate.extract(dict(headers)) if headers is not None else None
+    attributes: dict[str, Any] = {
+        "jiuwen.release.mode": "in_request",
+        "jiuwen.release.protocol": "x_kv_release",
+        "jiuwen.release.messages_released_index": hint.messages_released_index,
+    }
+    if hint.tools_released_index is not None:
+        attributes["jiuwen.release.tools_released_index"] = hint.tools_released_index
+    session = headers.get(SESSION_HEADER) if headers is not None else None
+    if session:
+        attributes[SESSION_ATTRIBUTE] = session
+    span = tracer.start_span(
+        RELEASE_SPAN, context=ctx, kind=trace.SpanKind.SERVER, attributes=attributes
+    )
+    span.end()
