@@ -231,3 +231,13 @@ def test_qwen_code_prompt_ids_tell_main_turns_from_side_requests() -> None:
 def turn2_messages() -> list[dict]:
     return [user("<startup context>"), answer("Got it."), user("fix the bug"), answer("done"),
             user("and the test")]  # fmt: skip
+
+
+def test_aiders_reminder_moving_to_the_newest_message_releases_only_the_old_tail() -> None:
+    """aider appends a reminder to the last user message and drops it the next turn: the rule
+    reads a rewrite from that message on (what it released: that message's tail only)."""
+    rule = CompactionRule()
+    reminder = " (reply with a diff)"
+    rule.classify("a", main(user("u1"), answer("a1"), user("u2" + reminder)))
+    new = main(user("u1"), answer("a1"), user("u2"), answer("a2"), user("u3" + reminder))
+    assert rule.classify("a", new) == "rewrite"
