@@ -63,7 +63,8 @@ def run(predict: bool, sessions: int, blocks: int, rounds: int) -> tuple[float, 
     elapsed, hit, ids = 0.0, 0, 0
     for round_ in range(rounds):
         for s in range(sessions):
-            prompt = list(range(s * 10**7, s * 10**7 + (blocks - rounds + round_) * BLOCK)) + [1]
+            start_token = s * 10**7
+            prompt = [*range(start_token, start_token + (blocks - rounds + round_) * BLOCK), 1]
             ids += 1
             request = Request(
                 request_id=f"r{ids}",
