@@ -510,7 +510,7 @@ class PoolAffinity:
         for session in self.returns.back_last_first():
             due = self.returns.due(session)
             for table in self.tables:
-                for block_id in table.select_idle(session).block_ids:
+                for block_id in table.own_tail_first(session):
                     block = blocks[block_id]
                     if queue.segment_of(block) is Segment.NORMAL:
                         yield due, block

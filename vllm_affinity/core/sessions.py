@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -200,16 +200,29 @@ class SessionBlocks:
             return ReleaseSelection(status="running")
         own: list[int] = []
         shared = 0
+        for block_id, alone in self._tail_first(record):
+            if alone:
+                own.append(block_id)
+            else:
+                shared += 1
+        return ReleaseSelection(own, shared)
+
+    def own_tail_first(self, session: str) -> Iterator[int]:
+        """``select_idle``'s blocks, lazily: a caller that needs the first few of a long record
+        (the predicted-return picker) reads only those."""
+        record = self.latest.get(session)
+        if record is not None and record.request_id is None:
+            yield from (block_id for block_id, alone in self._tail_first(record) if alone)
+
+    def _tail_first(self, record: SessionRecord) -> Iterator[tuple[int, bool]]:
+        """The record's blocks still holding its content, tail first, each with whether the
+        record alone holds it and no other session ever did."""
         holders, generation, shared_blocks = self._holders, self._generation, self._shared
         for i in reversed(range(record.held)):
             block_id = record.block_ids[i]
             if block_id == HOLE or generation.get(block_id, 0) != record.generations[i]:
                 continue  # no block here, or reused since
-            if holders.get(block_id, 0) == 1 and block_id not in shared_blocks:
-                own.append(block_id)
-            else:
-                shared += 1
-        return ReleaseSelection(own, shared)
+            yield block_id, holders.get(block_id, 0) == 1 and block_id not in shared_blocks
 
     def unreused(self, session: str, first_block: int) -> list[int]:
         """The blocks of ``session``'s latest request from ``first_block`` on that still hold the
