@@ -22,41 +22,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
 from jiuwen_replay.output import write_json
 from vllm_affinity.engine import affinity_of, apply_engine_patches
+from vllm_affinity.testing import kv_cache_manager
 
 BLOCK = 16
-
-
-def manager(num_blocks: int) -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=1 << 20,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-    )
 
 
 def run(predict: bool, sessions: int, blocks: int, rounds: int) -> tuple[float, int, int]:
     """Seconds per request, prompt tokens hit, blocks the picker swapped."""
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    kv = manager(sessions * blocks // 3 + blocks + 2)
+    kv = kv_cache_manager(sessions * blocks // 3 + blocks + 2, BLOCK, max_model_len=1 << 20)
     state = affinity_of(kv.block_pool)
     assert state is not None
     state.predict_returns(predict)

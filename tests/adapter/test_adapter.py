@@ -598,6 +598,17 @@ def test_a_rewrite_releases_a_side_branch_that_carried_the_conversation() -> Non
     assert_no_leak(manager)
 
 
+def agent_call(manager: Any, prompt: list[int], key: str | None = None) -> list[int]:
+    """One finished call of session ``cc`` whose request carries the API server's ``key`` (a
+    retry's or a rewrite's), through the engine's request hook: its block ids."""
+    params = SamplingParams(max_tokens=4, extra_args={key: "x"} if key else None)
+    request = make_request([*prompt, 1], session="cc", sampling_params=params)
+    state_of(manager).on_new_request(request, release_on_divergence=False)
+    blocks = run_prefill(manager, request)
+    manager.free(request)
+    return blocks
+
+
 def test_a_retry_the_next_window_continues_from_releases_the_replaced_message() -> None:
     """Claude Code re-sends a turn whose answer was empty with its last user message changed
     (``retry``): nothing is released then; the next window goes on from the retry, and the
@@ -607,22 +618,13 @@ def test_a_retry_the_next_window_continues_from_releases_the_replaced_message() 
     manager = make_manager(40)
     state = state_of(manager)
     prefix = tokens(0, 4)
-
-    def call(prompt: list[int], retry: bool = False) -> Any:
-        params = SamplingParams(max_tokens=4, extra_args={RETRY_KEY: "retry"} if retry else None)
-        request = make_request([*prompt, 1], session="cc", sampling_params=params)
-        state.on_new_request(request, release_on_divergence=False)
-        blocks = run_prefill(manager, request)
-        manager.free(request)
-        return blocks
-
-    replaced = call([*prefix, *tokens(100, 3)])[4:7]  # the original last message: 3 blocks
-    call([*prefix, *tokens(200, 3)], retry=True)
+    replaced = agent_call(manager, [*prefix, *tokens(100, 3)])[4:7]  # the last message: 3 blocks
+    agent_call(manager, [*prefix, *tokens(200, 3)], RETRY_KEY)
     assert state.stats().releases_compaction == 0
     assert {state.queue.segment_of(manager.block_pool.blocks[b]) for b in replaced} == {
         Segment.NORMAL
     }
-    call([*prefix, *tokens(200, 3), *tokens(300, 2)])  # the thread goes on from the retry
+    agent_call(manager, [*prefix, *tokens(200, 3), *tokens(300, 2)])  # goes on from the retry
     stats = state.stats()
     assert stats.releases_compaction == 1 and stats.block_released_compaction == 3
     assert {state.queue.segment_of(manager.block_pool.blocks[b]) for b in replaced} == {
@@ -642,18 +644,9 @@ def test_a_rewrite_after_a_retry_releases_both_windows_in_one_release() -> None:
     manager = make_manager(40)
     state = state_of(manager)
     prefix = tokens(0, 2)
-
-    def call(prompt: list[int], key: str | None = None) -> list[int]:
-        params = SamplingParams(max_tokens=4, extra_args={key: "x"} if key else None)
-        request = make_request([*prompt, 1], session="cc", sampling_params=params)
-        state.on_new_request(request, release_on_divergence=False)
-        blocks = run_prefill(manager, request)
-        manager.free(request)
-        return blocks
-
-    first = call([*prefix, *tokens(100, 4), *tokens(500, 1)])  # the summary request
-    second = call([*prefix, *tokens(100, 4), *tokens(600, 1)], RETRY_KEY)  # re-sent, changed
-    call([*prefix, *tokens(900, 2)], REWRITE_KEY)  # the window after the compaction
+    first = agent_call(manager, [*prefix, *tokens(100, 4), *tokens(500, 1)])  # the summary
+    second = agent_call(manager, [*prefix, *tokens(100, 4), *tokens(600, 1)], RETRY_KEY)
+    agent_call(manager, [*prefix, *tokens(900, 2)], REWRITE_KEY)  # after the compaction
     stats = state.stats()
     assert stats.releases_compaction == 1
     dead = {*first[2:7], *second[2:7]}  # the history and both summary instructions

@@ -6,13 +6,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
+
+from vllm_affinity.testing import kv_cache_manager
 
 BLOCK = 16
 _ids = itertools.count()
@@ -21,21 +22,7 @@ _hasher = get_request_block_hasher(BLOCK, sha256)
 
 
 def make_manager(num_blocks: int, block_size: int = BLOCK) -> KVCacheManager:
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=4096,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        enable_caching=True,
-    )
+    return kv_cache_manager(num_blocks, block_size)
 
 
 def make_request(tokens: list[int], session: str | None = None, **kw: Any) -> Request:
