@@ -64,18 +64,23 @@ $(OJ16): $(UV)
 	$(UV_INSTALL) $(OJ16_VENV)/bin/python 'openjiuwen==0.1.16'
 	@touch $@
 
-# The coding agents the server must serve with no hook, as users install them (npm; both carry
-# native binaries). Where npm cannot reach its registry the tests that drive them skip and say so.
+# The coding agents the server must serve with no hook, as users install them (npm; three carry
+# native binaries, Qwen Code is JavaScript). Where npm cannot reach its registry the tests that drive them skip and say so.
 CLAUDE_CODE := 2.1.328
 CODEX_CLI   := 0.169.0
-AGENTS      := .cache/agents/.installed
+OPENCODE    := 1.18.33
+QWEN_CODE   := 0.24.4
+# the stamp names the versions: changing one reinstalls
+AGENTS      := .cache/agents/.installed-$(CLAUDE_CODE)-$(CODEX_CLI)-$(OPENCODE)-$(QWEN_CODE)
 LONG_MODEL  := .cache/long-llama/jiuwen-recipe.json
 
 $(AGENTS):
 	@mkdir -p .cache/agents
-	@echo "Installing Claude Code $(CLAUDE_CODE) and the Codex CLI $(CODEX_CLI) from npm ..."
+	@echo "Installing Claude Code $(CLAUDE_CODE), the Codex CLI $(CODEX_CLI), opencode $(OPENCODE)" \
+	    "and Qwen Code $(QWEN_CODE) from npm ..."
 	@if npm install --silent --no-audit --no-fund --prefix .cache/agents \
-	    @anthropic-ai/claude-code@$(CLAUDE_CODE) @openai/codex@$(CODEX_CLI); then touch $@; \
+	    @anthropic-ai/claude-code@$(CLAUDE_CODE) @openai/codex@$(CODEX_CLI) \
+	    opencode-ai@$(OPENCODE) @qwen-code/qwen-code@$(QWEN_CODE); then touch $@; \
 	else echo "npm could not install the coding agents: their tests will skip"; fi
 
 # The long-context test model the coding agents need (their first prompt is ~35k tokens).

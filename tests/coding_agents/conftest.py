@@ -1,5 +1,6 @@
-"""The real coding agents (Claude Code, the Codex CLI: npm packages that ``make test`` installs
-into ``.cache/agents``) driven headless against a plugin server serving the ``long`` model."""
+"""The real coding agents (Claude Code, the Codex CLI, opencode: npm packages that ``make test``
+installs into ``.cache/agents``) driven headless against a plugin server serving the ``long``
+model."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from vllm_affinity.pytest_plugin import shared_server
-from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer
+from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
 from vllm_affinity.tiny_model import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,6 +244,178 @@ class CodexCli:
         return {k: v - before.get(k, 0) for k, v in total.items() if isinstance(v, int)}
 
 
+@dataclass
+class OpenCode:
+    """opencode as its own clients drive it: ``opencode serve`` (a home, a project and a
+    provider configuration of its own, on a free port), its sessions created, prompted and
+    summarized over its HTTP API."""
+
+    binary: Path
+    server: VLLMServer
+    home: Path
+    project: Path
+    context: int  # the model's context as opencode is told it: it auto-compacts near it
+    process: subprocess.Popen[str] | None = None
+    url: str = ""
+
+    def start(self) -> OpenCode:
+        self.project.mkdir(parents=True)
+        subprocess.run(["git", "init", "-q", str(self.project)], check=True)
+        model = {"limit": {"context": self.context, "output": 64}}
+        config = {
+            "provider": {
+                "vllm": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "options": {"baseURL": self.server.base_url, "apiKey": API_KEY},
+                    "models": {SERVED_NAME: model},
+                }
+            },
+            "model": f"vllm/{SERVED_NAME}",
+            "small_model": f"vllm/{SERVED_NAME}",
+            "autoupdate": False,
+            "share": "disabled",
+        }
+        (self.project / "opencode.json").write_text(json.dumps(config))
+        port = free_port()
+        env = {"PATH": os.environ["PATH"], "HOME": str(self.home)}
+        env |= {f"XDG_{d}_HOME": str(self.home / d.lower()) for d in ("CONFIG", "DATA", "CACHE")}
+        self.process = subprocess.Popen(
+            [str(self.binary), "serve", "--port", str(port), "--hostname", "127.0.0.1"],
+            env=env, cwd=self.project, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"opencode serve exited: {self.process.stderr}"
+            try:
+                if httpx.get(self.url + "/session", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError("opencode serve did not answer in 60 s")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        reply = httpx.post(self.url + path, json=body, timeout=600)
+        assert reply.status_code == 200, f"opencode {path}: {reply.status_code} {reply.text[:500]}"
+        return reply.json()
+
+    def new_session(self) -> str:
+        return str(self._post("/session", {})["id"])
+
+    def say(self, session: str, text: str) -> dict[str, Any]:
+        """One turn: the assistant message's info (its ``tokens``, ``summary``, ``error``)."""
+        model = {"providerID": "vllm", "modelID": SERVED_NAME}
+        reply = self._post(
+            f"/session/{session}/message",
+            {"parts": [{"type": "text", "text": text}], "model": model},
+        )
+        info: dict[str, Any] = reply["info"]
+        assert not info.get("error"), info
+        return info
+
+    def summarize(self, session: str) -> None:
+        """``/compact`` in its TUI: the session's summary, its window compacted."""
+        assert (
+            self._post(
+                f"/session/{session}/summarize", {"providerID": "vllm", "modelID": SERVED_NAME}
+            )
+            is True
+        )
+
+    def compactions(self, session: str) -> int:
+        """How many compactions the session went through (its messages with a compaction part)."""
+        messages = httpx.get(f"{self.url}/session/{session}/message", timeout=30).json()
+        return sum(p["type"] == "compaction" for m in messages for p in m["parts"])
+
+
+@dataclass
+class InteractiveQwenCode:
+    """Qwen Code as a person runs it: interactive, in a tmux window of its own, with request
+    metadata on (its provider entry's ``enableRequestMetadata``, and the server named its
+    DashScope proxy): each request's body names its
+    session and its kind. A short system prompt and three core tools keep its prompt (and CPU
+    prefill) short; its memory extractor and next-prompt suggestion run as they do by default."""
+
+    binary: Path
+    server: VLLMServer
+    home: Path
+    project: Path
+    socket: str = ""
+
+    def start(self) -> InteractiveQwenCode:
+        self.project.mkdir(parents=True)
+        subprocess.run(["git", "init", "-q", str(self.project)], check=True)
+        provider = {
+            "id": SERVED_NAME,
+            "name": SERVED_NAME,
+            "baseUrl": self.server.base_url,
+            "envKey": "AGENTS_TEST_KEY",
+            "generationConfig": {"enableRequestMetadata": True, "contextWindowSize": 131072},
+        }
+        settings = {
+            "modelProviders": {"openai": [provider]},
+            "security": {"auth": {"selectedType": "openai"}},
+            "model": {"name": SERVED_NAME},
+        }
+        (self.home / ".qwen").mkdir(parents=True)
+        (self.home / ".qwen" / "settings.json").write_text(json.dumps(settings))
+        env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "TERM": "xterm-256color"}
+        env["AGENTS_TEST_KEY"] = API_KEY
+        # its request metadata goes to DashScope only: the proxy variable makes the server one
+        env["DASHSCOPE_PROXY_BASE_URL"] = self.server.base_url
+        command = [str(self.binary), "--approval-mode", "yolo", "--system-prompt", "You code."]
+        command += ["--core-tools", "read_file,edit,run_shell_command"]
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        self.socket = f"qwen-{uuid.uuid4().hex[:8]}"
+        self.tmux(
+            "new-session", "-d", "-s", "agent", "-x", "160", "-y", "50", "-c", str(self.project),
+            f"env -i {exports} {shlex.join(command)}",
+        )  # fmt: skip
+        self.wait_for(lambda screen: "Type your message" in screen, "its prompt")
+        return self
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True)
+        assert done.returncode == 0, f"tmux {args[0]}: {done.stderr}"
+        return done.stdout
+
+    def stop(self) -> None:
+        if self.socket:
+            subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "agent", "-S", "-300")
+
+    def wait_for(self, ready: Callable[[str], bool], what: str, timeout: float = 300) -> str:
+        """The screen, once ``ready`` holds for it and Qwen Code is not working."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if ready(screen) and "esc to cancel" not in screen:
+                return screen
+            time.sleep(0.5)
+        raise AssertionError(f"Qwen Code did not show {what} in {timeout:.0f} s:\n{screen}")
+
+    def type(self, line: str, shown: str) -> str:
+        """Types ``line`` and Enter; the screen once it shows ``shown`` once more than before."""
+        count = self.screen().count(shown)
+        self.tmux("send-keys", "-t", "agent", "-l", line)
+        self.tmux("send-keys", "-t", "agent", "Enter")
+        screen = self.wait_for(lambda now: now.count(shown) > count, repr(shown))
+        assert "API Error" not in screen and "[API Error" not in screen, screen
+        return screen
+
+
 @pytest.fixture
 def claude_code(agents_server: VLLMServer, tmp_path: Path) -> ClaudeCode:
     home = tmp_path / "home"
@@ -271,6 +444,34 @@ def codex_cli(agents_server: VLLMServer, tmp_path: Path) -> CodexCli:
     home = tmp_path / "home"
     home.mkdir()
     return CodexCli(installed("codex"), agents_server, home, tmp_path / "project").setup()
+
+
+@pytest.fixture
+def opencode(agents_server: VLLMServer, tmp_path: Path) -> Iterator[OpenCode]:
+    home = tmp_path / "home"
+    home.mkdir()
+    # its prompt (system and tools) is ~23k tokens of the test model's tokenizer: a context of
+    # 26k makes it compact on its own after a few turns of ~2k tokens
+    agent = OpenCode(installed("opencode"), agents_server, home, tmp_path / "project", 26000)
+    try:
+        yield agent.start()
+    finally:
+        agent.stop()
+
+
+@pytest.fixture
+def interactive_qwen_code(
+    agents_server: VLLMServer, tmp_path: Path
+) -> Iterator[InteractiveQwenCode]:
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: `make debian-tools` installs it")
+    home = tmp_path / "home"
+    home.mkdir()
+    agent = InteractiveQwenCode(installed("qwen"), agents_server, home, tmp_path / "project")
+    try:
+        yield agent.start()
+    finally:
+        agent.stop()
 
 
 def quiet(server: VLLMServer, timeout: float = 60) -> None:

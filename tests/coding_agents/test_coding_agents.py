@@ -1,5 +1,5 @@
-"""Claude Code and the Codex CLI, unmodified, against the plugin: their compactions release the
-old window with no hook, and nothing else releases (see docs/coding-agents.md)."""
+"""Claude Code, the Codex CLI and opencode, unmodified, against the plugin: their compactions
+release the old window with no hook, and nothing else releases (see docs/coding-agents.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ from collections.abc import Callable
 
 from vllm_affinity.testing import VLLMServer
 
-from .conftest import ClaudeCode, CodexCli, Delta, InteractiveClaudeCode, quiet
+from .conftest import (
+    ClaudeCode,
+    CodexCli,
+    Delta,
+    InteractiveClaudeCode,
+    InteractiveQwenCode,
+    OpenCode,
+    quiet,
+)
 
 
 def released(delta: Delta) -> int:
@@ -116,3 +124,114 @@ def test_codex_compaction_releases_the_old_window_and_nothing_else(
     assert later["cached_input_tokens"] >= later["input_tokens"] - 64, (compacted, later)
     # every finished turn told the engine, on a known session (acted on or not: the idle guard)
     assert after["idles"] >= 1 and after["idles_unknown_session"] == 0, after.after
+
+
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
+
+
+def question(number: int, words: int = 300) -> str:
+    """A turn of about ``7 * words`` characters (~2k tokens of the test model), its own text."""
+    body = " ".join(f"{WORDS[(number + j) % len(WORDS)]}{j}" for j in range(words))
+    return f"question {number}: {body}"
+
+
+def blocks_of(server: VLLMServer, text: str) -> int:
+    """Whole 32-token blocks ``text`` fills as a user message: at least what its death frees."""
+    return len(server.tokenize([{"role": "user", "content": text}])) // 32 - 1
+
+
+def test_opencode_compactions_release_the_old_window_and_nothing_else(
+    opencode: OpenCode, agents_server: VLLMServer, watch: Callable[[], Delta]
+) -> None:
+    watch()
+    session = opencode.new_session()
+    first = question(0)
+    opencode.say(session, first)
+    turn = watch()
+    # the title request (no tools, its own system prompt) and the turn: bound, nothing released
+    assert turn["windows.first"] + turn["windows.side"] >= 2 and turn["sessions"] >= 1, turn.after
+    assert turn["releases"] == 0
+
+    opencode.summarize(session)  # compacting right after the first turn
+    summary = watch()
+    assert summary["windows.side"] == 1 and summary["releases"] == 0, summary.after
+
+    after = opencode.say(session, "second question about the plan")
+    rewrite = watch()
+    # the new window keeps only the system prompt and tools: the first turn is dead
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert released(rewrite) >= blocks_of(agents_server, first), rewrite.after
+
+    later = opencode.say(session, "third question")
+    plain = watch()
+    assert plain["windows.append"] >= 1 and plain["releases"] == 0, plain.after
+    # the compacted window's prefix was kept: the next turn reads nearly all of it from the cache
+    assert later["tokens"]["cache"]["read"] >= after["tokens"]["input"] - 64, (after, later)
+
+
+def test_opencode_auto_compaction_releases_the_old_window_and_nothing_else(
+    opencode: OpenCode, agents_server: VLLMServer, watch: Callable[[], Delta]
+) -> None:
+    session = opencode.new_session()
+    opencode.say(session, "first question about the weather")
+    watch()
+    compacted, asked = 0, []
+    for number in range(1, 6):  # each turn adds ~2k tokens: opencode compacts on its own
+        asked.append(question(number))
+        opencode.say(session, asked[-1])
+        turn = watch()
+        if opencode.compactions(session) == compacted:
+            assert turn["windows.append"] >= 1 and turn["releases"] == 0, turn.after
+            continue
+        compacted += 1
+        # its summary request (a side branch), then the window that goes on from the summary
+        assert turn["windows.side"] >= 1 and turn["windows.rewrite"] == 1, turn.after
+        dead = sum(blocks_of(agents_server, text) for text in asked[:-1])
+        assert released(turn) >= dead, (dead, turn.after)
+        asked = []
+    assert compacted >= 1
+
+
+#: Qwen Code marks each answer on its screen (and its compressions) with this.
+ANSWER = "\u25c6"
+
+
+def test_qwen_code_interactive_compress_releases_and_side_requests_stay_apart(
+    interactive_qwen_code: InteractiveQwenCode,
+    agents_server: VLLMServer,
+    watch: Callable[[], Delta],
+) -> None:
+    agent = interactive_qwen_code
+    watch()
+    agent.type("first question about the weather", ANSWER)
+    quiet(agents_server)
+    first = watch()
+    # bound from its request metadata; its memory extractor (another system prompt, its own
+    # tools) and its next-prompt suggestion are side branches
+    assert first["windows.first"] == 1 and first["windows.side"] >= 1, first.after
+    assert first["releases"] == 0, first.after
+
+    second_question = question(1)
+    agent.type(second_question, ANSWER)
+    quiet(agents_server)
+    second = watch()
+    assert second["windows.append"] == 1 and second["windows.rewrite"] == 0, second.after
+    assert second["releases"] == 0, second.after
+
+    agent.type("/compress", "compressed")
+    quiet(agents_server)
+    compress = watch()
+    assert compress["windows.side"] >= 1 and compress["releases"] == 0, compress.after
+
+    agent.type("third question after compression", ANSWER)
+    quiet(agents_server)
+    rewrite = watch()
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert released(rewrite) >= blocks_of(agents_server, second_question), rewrite.after
+
+    agent.type("fourth question", ANSWER)
+    quiet(agents_server)
+    plain = watch()
+    assert plain["windows.append"] == 1 and plain["releases"] == 0, plain.after
+    # nothing released was needed again: the side branches' own prompts were kept
+    assert plain["released_reused"] + rewrite["released_reused"] <= 2, (rewrite.after, plain)
