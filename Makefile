@@ -149,7 +149,8 @@ demo: $(MODEL) $(if $(filter llama,$(ARCH)),,.cache/tiny-$(ARCH)/jiuwen-recipe.j
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
-## replicas behind nginx, the real Claude Code and Codex CLI binaries), then the llama-index integration in its own virtualenv
+## replicas behind nginx, the real Claude Code, Codex CLI, opencode and Qwen Code), then the
+## llama-index integration in its own virtualenv
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
 	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(HYBRID_MODELS) $(AGENTS) \
