@@ -231,6 +231,8 @@ class EngineStats(BaseModel):
     #: Released blocks still in use: they move when freed.
     pending: int = Field(ge=0)
     released_reused: int = Field(ge=0)
+    #: Released blocks a prompt hit again before they were reused: releases that were wrong.
+    released_hit: int = Field(default=0, ge=0)
     #: Protected blocks handed out all the same (nothing else was free).
     protected_reused: int = Field(ge=0)
     #: Subagent sessions running (named a parent, not ended their task yet).

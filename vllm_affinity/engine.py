@@ -10,7 +10,8 @@
   blocks it releases can serve that very request's allocation. A request naming its parent
   session (``kv_parent``) starts protecting the parent's blocks (``core/subagents.py``).
 - ``EngineCore.affinity_release_prompt`` / ``affinity_session_idle`` / ``affinity_stats`` /
-  ``affinity_check``: called from the API server through
+  ``affinity_check`` / ``affinity_classify_window`` (the compaction rule, when several API
+  servers share the engine): called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
   no locking against the scheduler is needed. They turn ``PoolAffinity``'s answers (the
   protocol's models) into plain dicts, at the process boundary.
@@ -32,6 +33,7 @@ import wrapt
 from jiuwen_kv_protocol.models import ReleaseMode
 
 from .compat import check_supported_vllm
+from .core.compaction import AgentWindow, CompactionRule, Window
 from .core.groups import KVGroup, kind_of
 from .pool_affinity import (
     HEAD_KEY,
@@ -233,6 +235,19 @@ def affinity_session_idle(self: Any, session: str, ends_task: bool = True) -> di
     return _engine_state(self).idle_session(session, ends_task).model_dump()
 
 
+def _make_classify_window(max_sessions: int) -> Any:
+    def affinity_classify_window(self: Any, session: str, window: Any, agent: Any) -> str:
+        """EngineCore utility: the compaction rule's verdict on a session's window, judged here
+        when the server runs several API servers (``agent_windows.EngineWindows``): this engine
+        serves every request of the session. The rule's state is created on first use."""
+        rule = getattr(self, "_jiuwen_windows", None)
+        if rule is None:
+            rule = self._jiuwen_windows = CompactionRule(max_sessions)
+        return rule.classify(session, Window.from_wire(window), AgentWindow.from_wire(agent))
+
+    return affinity_classify_window
+
+
 def affinity_check(self: Any) -> dict[str, Any]:
     """EngineCore utility: the invariants, checked between scheduler steps."""
     state = _engine_state(self)
@@ -270,4 +285,5 @@ def apply_engine_patches() -> None:
     EngineCore.affinity_session_idle = affinity_session_idle
     EngineCore.affinity_stats = affinity_stats
     EngineCore.affinity_check = affinity_check
+    EngineCore.affinity_classify_window = _make_classify_window(settings.max_sessions)
     _applied = True

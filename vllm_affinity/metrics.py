@@ -39,6 +39,11 @@ class _EngineCollector:
             "Released blocks handed out again for new content",
             labels=["engine"],
         )
+        hit = CounterMetricFamily(
+            "vllm_affinity_released_blocks_hit",
+            "Released blocks a prompt hit again before they were reused (releases that were wrong)",
+            labels=["engine"],
+        )
         releases = CounterMetricFamily(
             "vllm_affinity_engine_releases",
             "Releases carried out in the engine, by path: post (/release_kv_cache), in_request "
@@ -95,6 +100,7 @@ class _EngineCollector:
                 blocks.add_metric([segment, engine], count)
             pending.add_metric([engine], stats.pending)
             reused.add_metric([engine], stats.released_reused)
+            hit.add_metric([engine], stats.released_hit)
             sessions.add_metric([engine], stats.sessions)
             bindings.add_metric([engine], stats.bindings)
             restored.add_metric([engine], stats.counter("blocks_restored"))
@@ -111,6 +117,7 @@ class _EngineCollector:
         yield blocks
         yield pending
         yield reused
+        yield hit
         yield releases
         yield released
         yield restored

@@ -70,6 +70,7 @@ class AffinityEndpoint:
             settings=self.settings,
             metrics=AffinityMetrics(),
             data_parallel_size=config.parallel_config.data_parallel_size,
+            api_servers=getattr(config.parallel_config, "_api_process_count", 1),
         )
         self._metrics = service.metrics
         state.jiuwen_affinity = service

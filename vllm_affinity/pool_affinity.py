@@ -11,7 +11,7 @@ process boundary.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -84,6 +84,8 @@ class PoolAffinity:
 
         self._strip_group = get_block_hash
         self._max_sessions = settings.max_sessions
+        #: A side branch's instruction length (its latest request's ``HEAD_KEY``).
+        self._side_heads: OrderedDict[str, int] = OrderedDict()
         self.groups: tuple[KVGroup, ...] = ()
         self.tables: tuple[SessionBlocks, ...] = ()
         self.attach_groups((KVGroup(0, "full_attention", pool.hash_block_size),))
@@ -196,19 +198,12 @@ class PoolAffinity:
         return result
 
     def release_rewritten(self, session: str, chain: list[Any]) -> EngineRelease:
-        """A compaction told from the agent's own requests (``core/compaction.py``): the
-        session's side branch, when it carried the old conversation (``_carries_thread``: a
-        compaction or suggestion request), is dead and released first (so blocks it shared with
-        the main thread go too); a short one with a prompt of its own (a session title's) is
-        still used and stays. A retry's replaced window goes too, past what ``chain`` hits.
-        Then the main thread's blocks ``chain`` cannot hit, also when ``chain`` shares no block
-        with them: the agent said the old window is gone. One release in all."""
-        branch = side_branch(session)
-        side: list[ReleaseSelection] = []
-        if self._carries_thread(branch, session):
-            side = [table.select_release(branch, 0) for table in self.tables]
-            for table in self.tables:
-                table.forget(branch)
+        """A compaction told from the agent's own requests (``core/compaction.py``). The
+        session's side branch goes first (``_side_release``); a retry's replaced window goes
+        too, past what ``chain`` hits. Then the main thread's blocks ``chain`` cannot hit, also
+        when ``chain`` shares no block with them: the agent said the old window is gone. One
+        release in all."""
+        side = self._side_release(side_branch(session), session)
         retried = retried_branch(session)
         if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
             firsts = self._first_stale(retried, chain)
@@ -217,15 +212,35 @@ class PoolAffinity:
                 table.forget(retried)
         return self.release_divergent(session, chain, "compaction", also=side)
 
-    def _carries_thread(self, branch: str, session: str) -> bool:
-        """Whether ``branch``'s latest request carried ``session``'s conversation: it starts
-        with the main thread's first block, or its prompt is at least half as long as the main
-        thread's (another system prompt before the same history)."""
-        side, main = self.sessions.latest.get(branch), self.sessions.latest.get(session)
-        if side is None:
-            return False
-        if main is None or 2 * side.num_prompt_tokens >= main.num_prompt_tokens:
-            return True
+    def _side_release(self, branch: str, session: str) -> list[ReleaseSelection]:
+        """What of the side branch a rewrite of the main thread kills. A side request that
+        starts as the main thread does (its instructions: a compaction or suggestion request
+        carrying the conversation) is dead whole; blocks the main thread still holds stay
+        with it. One of another prompt (a title, a memory extractor, a summarizer) is sent
+        again with the same instructions: it keeps the blocks holding them (``HEAD_KEY``, as
+        its request said) and releases the conversation after them. With no length known, one
+        at least half as long as the main thread carried the conversation (dead whole), a
+        shorter one is kept whole."""
+        if branch not in self.sessions.latest:
+            return []
+        if self._starts_as(branch, session):
+            selections = [table.select_release(branch, 0) for table in self.tables]
+            for table in self.tables:
+                table.forget(branch)
+            return selections
+        head = self._side_heads.get(branch, 0)
+        if not head:  # unknown: dead whole if it carried the conversation (as long as half of it)
+            side, main = self.sessions.latest[branch], self.sessions.latest.get(session)
+            if main is None or 2 * side.num_prompt_tokens < main.num_prompt_tokens:
+                return []
+            head = 0
+        return [
+            table.select_release(branch, group.blocks_holding(head))
+            for table, group in zip(self.tables, self.groups, strict=True)
+        ]
+
+    def _starts_as(self, branch: str, session: str) -> bool:
+        """Whether ``branch``'s latest request starts with ``session``'s first block."""
         for table in self.tables:
             side_ids = table.latest[branch].block_ids if branch in table.latest else None
             main_ids = table.latest[session].block_ids if session in table.latest else None
@@ -453,6 +468,8 @@ class PoolAffinity:
                 family = self._sibling_family(parent, head, request.block_hashes)
                 self.siblings.observe(family, request.block_hashes)
             self._apply_family(self.subagents.call(session, parent, head, family))
+        if session == side_branch(owner_of(session)):
+            self._note_side_head(session, int(extra.get(HEAD_KEY) or 0))
         retried = retried_branch(session)
         if RETRY_KEY in extra:
             for table in self.tables:  # the replaced window waits apart for the next one
@@ -465,6 +482,13 @@ class PoolAffinity:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")
+
+    def _note_side_head(self, branch: str, head: int) -> None:
+        """The instruction length of a side branch's latest request (bounded, oldest out)."""
+        self._side_heads[branch] = head
+        self._side_heads.move_to_end(branch)
+        while len(self._side_heads) > self._max_sessions:
+            self._side_heads.popitem(last=False)
 
     def _settle_retry(self, retried: str, chain: list[Any]) -> None:
         """The window after a retry says which branch the thread continues: the replaced
@@ -534,6 +558,7 @@ class PoolAffinity:
             segments=Segments(**self.queue.segment_sizes()),
             pending=self.queue.num_pending,
             released_reused=self.queue.released_reused,
+            released_hit=self.queue.released_hit,
             protected_reused=self.queue.protected_reused,
             children=len(self.subagents),
             sessions=len(self.sessions),

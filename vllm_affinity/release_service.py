@@ -29,7 +29,9 @@ from jiuwen_kv_protocol.headers import (
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseRequest
 
-from .core.compaction import CompactionRule
+from .agent_windows import EngineWindows, LocalWindows
+from .core import engine_rank
+from .core.compaction import owner_of
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
 from .instructions import INSTRUCTION_ROLES, Instructions
@@ -75,9 +77,12 @@ class ReleaseService:
     metrics: AffinityMetrics
     #: Engine cores of a data-parallel server (1 without data parallelism).
     data_parallel_size: int = 1
+    #: The server's API-server processes (``--api-server-count``; data parallelism's default).
+    api_servers: int = 1
     idle_signals: IdleSignals = field(init=False)
-    #: Coding agents' main threads, for their compactions (``agent_windows.py``).
-    compaction: CompactionRule = field(init=False)
+    #: Coding agents' main threads, for their compactions (``agent_windows.py``): here with
+    #: one API server, else in the engine that serves the session.
+    windows: LocalWindows | EngineWindows = field(init=False)
     #: Subagents' instruction lengths, which their end keeps (``instructions.py``).
     instructions: Instructions = field(init=False)
 
@@ -85,7 +90,10 @@ class ReleaseService:
         self.idle_signals = IdleSignals(
             self.call_engines, self.settings.idle_after, self.metrics.count_lifecycle
         )
-        self.compaction = CompactionRule(self.settings.max_sessions)
+        if self.api_servers > 1:
+            self.windows = EngineWindows(self.call_engine_of)
+        else:
+            self.windows = LocalWindows(self.settings.max_sessions)
         self.instructions = Instructions(
             self.serving_chat, self.serving_responses, self.settings.max_sessions
         )
@@ -327,6 +335,15 @@ class ReleaseService:
             raise ReleaseError(
                 503, f"engine call failed: {exc}", "ServiceUnavailableError"
             ) from None
+
+    async def call_engine_of(self, session: str, method: str, *args: Any) -> Any:
+        """A utility in the engine core that serves ``session`` (``core/placement.py``)."""
+        core = self.engine_client.engine_core
+        engines = getattr(core, "core_engines", None)
+        if self.data_parallel_size > 1 and engines and hasattr(core, "_call_utility_async"):
+            engine = engines[engine_rank(owner_of(session), self.data_parallel_size)]
+            return await core._call_utility_async(method, *args, engine=engine)
+        return await core.call_utility_async(method, *args)
 
     async def stats(self) -> dict[str, Any]:
         engines = await self.call_engines("affinity_stats")

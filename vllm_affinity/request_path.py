@@ -14,14 +14,18 @@ decided), each testable alone:
 6. ``engine``: a data-parallel server's engine for the session;
 7. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core.
 
-A step refuses a request by raising ``Refusal`` (answered with vLLM's own 400, counted). After
-vLLM's call, ``finish`` adds a subagent's instruction length and the lifecycle watch. A new
-session source or rule is a new step in the list.
+A step refuses a request by raising ``Refusal`` (answered with vLLM's own 400, counted); a
+step may be a coroutine function (``session`` asks the engine that serves the session when the
+server runs several API servers). After vLLM's call, ``finish`` adds a subagent's or a side
+request's instruction length and the lifecycle watch. A new session source or rule is a new
+step in the list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +34,9 @@ from opentelemetry import propagate, trace
 from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_HEADER
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
-from .agent_windows import apply_compaction_rule, prompt_cache_key, qwen_code_metadata
+from .agent_windows import apply_verdict, prompt_cache_key, qwen_code_metadata, window_to_judge
 from .core import HintError, ReleaseHint, engine_rank
-from .core.compaction import Verdict
+from .core.compaction import BRANCH_SEPARATOR, Verdict, Window
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
@@ -43,6 +47,7 @@ from .release_service import ReleaseService
 from .settings import Settings
 
 tracer = trace.get_tracer("vllm_affinity")
+logger = logging.getLogger("vllm_affinity")
 
 
 class Refusal(Exception):
@@ -67,10 +72,12 @@ class RequestPath:
     owner: str | None = None  # the session, scoped, before any branch key
     session: str | None = None  # the key the engine binds under, scoped
     verdict: Verdict | None = None  # the compaction rule's, when it applied
+    window: Window | None = None  # the window the rule judged
     next_use: float | None = None
 
 
-Step = Callable[[RequestPath], None]
+#: A step: a function of the path, or a coroutine function (``session`` may ask an engine).
+Step = Callable[[RequestPath], Awaitable[None] | None]
 
 
 def cache_sharing(path: RequestPath) -> None:
@@ -87,24 +94,29 @@ def principal(path: RequestPath) -> None:
         apply_principal(path.request, path.principal)
 
 
-def session(path: RequestPath) -> None:
-    """The engine's key for the request, after the compaction rule's verdict."""
+async def session(path: RequestPath) -> None:
+    """The engine's key for the request, after the compaction rule's verdict (judged where
+    every request of the session is seen: ``agent_windows.py``). A rule that cannot be asked
+    (its engine is gone) leaves the request as it is."""
     if path.service is None:
         return
     named = session_key(path.serving, path.request, path.raw_request)
     if not named:
         return
     path.owner = scoped(path.principal, named)
-    named, path.verdict = apply_compaction_rule(
-        path.service.compaction,
-        path.request,
-        path.raw_request.headers,
-        path.principal,
-        named,
-        path.settings.infer_compaction,
+    service = path.service
+    judged = window_to_judge(
+        path.request, path.raw_request.headers, named, path.settings.infer_compaction
     )
-    if path.verdict is not None:
-        path.service.metrics.count_window(path.verdict)
+    if judged is not None:
+        path.window = judged[0]
+        try:
+            path.verdict = await service.windows.classify(path.owner, *judged)
+        except Exception as exc:  # the engine is dying: the request goes on unjudged
+            logger.warning("vllm_affinity: could not judge a window of %r: %s", named, exc)
+        else:
+            service.metrics.count_window(path.verdict)
+            named = apply_verdict(path.request, named, path.verdict)
     path.session = scoped(path.principal, named)
 
 
@@ -146,14 +158,25 @@ STEPS: tuple[Step, ...] = (
 )
 
 
+async def run_steps(path: RequestPath) -> None:
+    """Each of ``STEPS`` in order (a ``Refusal`` stops the path)."""
+    for step in STEPS:
+        done = step(path)
+        if inspect.isawaitable(done):
+            await done
+
+
 def finish(path: RequestPath, call: Any) -> Any:
-    """After vLLM's call is made (not started): a subagent's instruction length, and the
-    lifecycle watch of how the call ends."""
+    """After vLLM's call is made (not started): a subagent's or a side request's instruction
+    length, and the lifecycle watch of how the call ends."""
     settings, service, session_ = path.settings, path.service, path.session
     if not session_ or service is None:
         return call
     if settings.child_end == "release" and _names_parent(path.request):
         call = with_instructions(service, session_, path.request, call)
+    elif path.verdict == "side" and path.window is not None:
+        key = side_instructions_key(session_, path.window)
+        call = with_instructions(service, key, path.request, call)
     if settings.lifecycle:
         named_tool = not isinstance(getattr(path.request, "tool_choice", None), str | None)
         on_finish = service.idle_signals.on_finish(
@@ -251,10 +274,20 @@ def _names_parent(request: Any) -> bool:
     return PARENT_KEY in (getattr(request, "vllm_xargs", None) or {})
 
 
-async def with_instructions(service: ReleaseService, session: str, request: Any, call: Any) -> Any:
-    """A subagent's request tells the engine how many of its leading tokens are instructions
-    (``instructions.py``), which its end keeps; then vLLM handles it."""
-    tokens = await service.instructions.tokens(session, request)
+def side_instructions_key(session: str, window: Window) -> str:
+    """The instruction lengths' cache key of a side request: one session's side branch takes
+    requests of several prompts (a title, a memory extractor, a compaction), each its own."""
+    head = 0
+    while head < len(window.messages) and window.is_instruction(head):
+        head += 1
+    return f"{session}{BRANCH_SEPARATOR}{hash((window.has_tools, *window.messages[:head]))}"
+
+
+async def with_instructions(service: ReleaseService, key: str, request: Any, call: Any) -> Any:
+    """A subagent's request (or a side request) tells the engine how many of its leading
+    tokens are instructions (``instructions.py``, cached under ``key``), which its end (or a
+    rewrite of its main thread) keeps; then vLLM handles it."""
+    tokens = await service.instructions.tokens(key, request)
     if tokens:
         request.vllm_xargs = {**(request.vllm_xargs or {}), HEAD_KEY: tokens}
     return await call

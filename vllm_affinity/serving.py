@@ -13,11 +13,11 @@ from typing import Any
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
 from .release_service import service_of
 from .request_path import (
-    STEPS,
     Refusal,
     RequestPath,
     apply_cache_sharing,
     finish,
+    run_steps,
     strip_reserved_args,
 )
 from .settings import Settings
@@ -43,18 +43,17 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         strip_reserved_args(request)
         return serve(wrapped, instance, args, kwargs)
 
-    def serve(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    async def serve(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         request = args[0] if args else kwargs["request"]
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
         path = RequestPath(settings, instance, request, raw_request, service, count_hint)
-        for step in STEPS:
-            try:
-                step(path)
-            except Refusal as refusal:
-                refusal.count()
-                return _error(instance, str(refusal))
-        return finish(path, wrapped(*args, **kwargs))  # the call is not started yet
+        try:
+            await run_steps(path)
+        except Refusal as refusal:
+            refusal.count()
+            return instance.create_error_response(str(refusal))
+        return await finish(path, wrapped(*args, **kwargs))
 
     def session_rank(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         """A rank the client or router chose (``X-data-parallel-rank``) wins; else the

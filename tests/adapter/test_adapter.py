@@ -554,18 +554,28 @@ def test_the_picker_leaves_a_block_of_no_session_to_lru() -> None:
     assert_no_leak(manager)
 
 
-def rewrite_with_side_branch(side_blocks: int) -> tuple[Any, Any, list[int]]:
-    """A main thread of 8 blocks and a side request of its own prompt (``side_blocks``), then
-    the main thread's compacted window (its first block kept) told as a rewrite."""
+def rewrite_with_side_branch(
+    side_blocks: int, head: int = 0, same_start: bool = False
+) -> tuple[Any, Any, list[int]]:
+    """A main thread of 8 blocks and a side request of ``side_blocks`` blocks (its own prompt,
+    of which ``head`` tokens are instructions as the API server told; ``same_start``: it starts
+    with the main thread's first block instead), then the main thread's compacted window (its
+    first block kept) told as a rewrite."""
     from vllm_affinity.core.compaction import side_branch
-    from vllm_affinity.engine import REWRITE_KEY
+    from vllm_affinity.engine import HEAD_KEY, REWRITE_KEY
 
     manager = make_manager(40)
     state = state_of(manager)
     main = make_request([*tokens(0, 8), 1], session="cc")
     run_prefill(manager, main)
     manager.free(main)
-    side = make_request([*tokens(5000, side_blocks), 1], session=side_branch("cc"))
+    start = tokens(0, 1) if same_start else tokens(5000, 1)
+    side = make_request(
+        [*start, *tokens(6000, side_blocks - 1), 1],
+        session=side_branch("cc"),
+        sampling_params=SamplingParams(max_tokens=4, extra_args={HEAD_KEY: head} if head else None),
+    )
+    state.on_new_request(side, release_on_divergence=False)
     side_ids = run_prefill(manager, side)[:side_blocks]
     manager.free(side)
     params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
@@ -576,25 +586,47 @@ def rewrite_with_side_branch(side_blocks: int) -> tuple[Any, Any, list[int]]:
     return manager, state, side_ids
 
 
-def test_a_rewrite_keeps_a_short_side_branch_with_a_prompt_of_its_own() -> None:
-    """Claude Code's session-title request (its own system prompt, short) is hit again by the
-    next title request: a compaction of the main thread releases the main thread's dead blocks
-    and leaves the title's."""
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=2)
+def test_a_rewrite_keeps_a_side_branchs_own_instructions_and_releases_the_rest() -> None:
+    """Qwen Code's memory extractor, opencode's summarizer, Claude Code's title request: a
+    prompt of their own, sent again with the same instructions. A compaction of the main thread
+    releases what followed their instructions (the old conversation) and keeps the blocks that
+    hold them, the one straddling their end included."""
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
     segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids]
-    assert segments == [Segment.NORMAL, Segment.NORMAL]
+    assert segments == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
     assert state.stats().releases_compaction == 1
-    assert state.stats().block_released_compaction == 7  # the main thread after its first block
+    assert state.stats().block_released_compaction == 7 + 4  # the main thread's after its first
     assert_no_leak(manager)
 
 
-def test_a_rewrite_releases_a_side_branch_that_carried_the_conversation() -> None:
-    """A compaction request of another system prompt before the same history (opencode's,
-    the Codex CLI's) is as long as the main thread: dead once the window is rewritten."""
+def test_a_rewrite_keeps_a_short_side_branch_whose_instructions_are_unknown() -> None:
+    """No instruction length told (a template the server could not render): a short side
+    branch of its own prompt is kept whole, the main thread's dead blocks are released."""
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=2)
+    segments = {state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids}
+    assert segments == {Segment.NORMAL}
+    assert state.stats().block_released_compaction == 7
+    assert_no_leak(manager)
+
+
+def test_a_rewrite_releases_a_long_side_branch_whose_instructions_are_unknown() -> None:
+    """No instruction length told, but as long as half the main thread: another prompt before
+    the same conversation (a summarizer), dead whole."""
     manager, state, side_ids = rewrite_with_side_branch(side_blocks=6)
     segments = {state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids}
     assert segments == {Segment.RELEASED}
     assert state.stats().block_released_compaction == 7 + 6
+    assert_no_leak(manager)
+
+
+def test_a_rewrite_releases_a_side_branch_that_carried_the_conversation() -> None:
+    """A side request that starts as the main thread does (the Codex CLI's compaction request,
+    Qwen Code's next-prompt suggestion) carried the old conversation: dead whole once the window
+    is rewritten, but for the first block, which the main thread still holds."""
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK, same_start=True)
+    segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids]
+    assert segments == [Segment.NORMAL] + [Segment.RELEASED] * 5
+    assert state.stats().block_released_compaction == 7 + 5
     assert_no_leak(manager)
 
 

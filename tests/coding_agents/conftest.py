@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from vllm_affinity.core.compaction import VERDICTS
 from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
 from vllm_affinity.tiny_model import build
@@ -35,6 +36,9 @@ def _agents_server() -> VLLMServer:
         num_blocks=6144,  # 196k tokens: one 128k-token request fits
         max_model_len=131072,
         eager=True,
+        # two API-server processes, each taking connections as they come: every agent's
+        # windows are judged by the engine, which sees all of a session's requests
+        extra_args=("--api-server-count", "2"),
     )
 
 
@@ -51,12 +55,13 @@ def installed(name: str) -> Path:
 
 
 def counters(server: VLLMServer) -> dict[str, int]:
-    """The engine's counters and segments and the API server's window verdicts, flat."""
-    stats = server.affinity_stats()
-    (engine,) = stats["engines"]
+    """The engine's counters and segments and the window verdicts of every API server, flat."""
+    (engine,) = server.affinity_stats()["engines"]
     flat = {k: v for k, v in engine.items() if isinstance(v, int)}
     flat.update({f"segment.{k}": v for k, v in engine["segments"].items()})
-    flat.update({k: v for k, v in stats["api_server"].items() if k.startswith("windows.")})
+    for verdict in VERDICTS:
+        count = server.metric("vllm_affinity_agent_windows_total", verdict=verdict)
+        flat[f"windows.{verdict}"] = int(count)
     return flat
 
 

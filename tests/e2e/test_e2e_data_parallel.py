@@ -1,17 +1,24 @@
-"""A data-parallel server (``--data-parallel-size 2``, two engine-core processes on CPU): each
-session is served by one engine, its in-request releases act there, and a POSTed release fans
-out to both engines (the one holding the session releases, the other answers unknown)."""
+"""A data-parallel server (``--data-parallel-size 2``, two engine-core processes on CPU, and
+``--api-server-count 2``, two API-server processes, as ``vllm serve`` starts it): each session is
+served by one engine, its in-request releases act there, a POSTed release fans out to both
+engines (the one holding the session releases, the other answers unknown), and a coding
+agent's windows are judged as with one API server though each API server sees only some of a
+session's requests."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
 import jiuwen_hooks
+from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from vllm_affinity.core import engine_rank
+from vllm_affinity.core.compaction import VERDICTS
 from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
@@ -21,7 +28,11 @@ SESSIONS = [f"sess-{i}" for i in range(5)]
 
 
 def _data_parallel_server() -> VLLMServer:
-    return VLLMServer(num_blocks=128, extra_args=("--data-parallel-size", "2"), eager=True)
+    return VLLMServer(
+        num_blocks=128,
+        extra_args=("--data-parallel-size", "2", "--api-server-count", "2"),
+        eager=True,
+    )
 
 
 #: Started with the other shared servers.
@@ -93,3 +104,64 @@ def test_a_posted_release_fans_out_to_both_engines(data_parallel_server: VLLMSer
             "releases_ok": int(rank == holder),
             "releases_unknown_session": int(rank != holder),
         }
+
+
+TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+
+
+def _agent_call(server: VLLMServer, session: str, messages: list[dict[str, str]]) -> str:
+    """One call as Claude Code makes it (its session header, tools), on a new connection: the
+    two API servers take connections as they come."""
+    with httpx.Client(timeout=120) as fresh:
+        answer = fresh.post(
+            server.base_url + "/chat/completions",
+            headers={CLAUDE_CODE_SESSION_HEADER: session},
+            json={"model": SERVED_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 2},
+        )
+    answer.raise_for_status()
+    return str(answer.json()["choices"][0]["message"]["content"] or "")
+
+
+def _api_server_verdicts(server: VLLMServer, asks: int = 16) -> list[dict[str, Any]]:
+    """Each API server's own verdict counts (``/affinity/stats`` answers with its process's),
+    asked on new connections until both answered."""
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(asks):
+        with httpx.Client(timeout=30) as fresh:
+            own = fresh.get(server.root_url + "/affinity/stats").json()["api_server"]
+        verdicts = {k: v for k, v in own.items() if k.startswith("windows.")}
+        seen[repr(sorted(verdicts.items()))] = verdicts
+    return list(seen.values())
+
+
+def test_two_api_servers_judge_a_sessions_windows_as_one_does(
+    data_parallel_server: VLLMServer,
+) -> None:
+    server = data_parallel_server
+    sessions = [f"agent-{i}" for i in range(6)]
+    before = {v: server.metric("vllm_affinity_agent_windows_total", verdict=v) for v in VERDICTS}
+    engines_before = server.affinity_stats()["engines"]
+    for session in sessions:  # a turn, a tool loop, the compaction request, the new window
+        rng = random.Random(session)
+        system = {"role": "system", "content": filler_text(rng, 60)}
+        window = [system, {"role": "user", "content": filler_text(rng, 30)}]
+        for _ in range(3):
+            window.append({"role": "assistant", "content": _agent_call(server, session, window)})
+            window.append({"role": "user", "content": filler_text(rng, 20)})
+        _agent_call(server, session, [system, {"role": "user", "content": "the summary"}])
+    judged = {
+        v: server.metric("vllm_affinity_agent_windows_total", verdict=v) - before[v]
+        for v in VERDICTS
+    }
+    # what one API server judges: each session's first window, two appends, one rewrite
+    n = len(sessions)
+    assert judged == {"first": n, "append": 2 * n, "retry": 0, "rewrite": n, "side": 0}
+    engines = server.affinity_stats()["engines"]
+    for rank, (engine, earlier) in enumerate(zip(engines, engines_before, strict=True)):
+        mine = sum(engine_rank(s, 2) == rank for s in sessions)
+        grew = engine.get("releases_compaction", 0) - earlier.get("releases_compaction", 0)
+        assert grew == mine  # each rewrite released on the engine that serves its session
+    # both API servers judged some of them: a rule kept per API server would have seen a
+    # session's later windows as first ones
+    per_process = _api_server_verdicts(server)
+    assert len(per_process) == 2, per_process

@@ -241,3 +241,31 @@ def test_aiders_reminder_moving_to_the_newest_message_releases_only_the_old_tail
     rule.classify("a", main(user("u1"), answer("a1"), user("u2" + reminder)))
     new = main(user("u1"), answer("a1"), user("u2"), answer("a2"), user("u3" + reminder))
     assert rule.classify("a", new) == "rewrite"
+
+
+def test_windows_cross_to_the_engine_and_back_unchanged() -> None:
+    window = main(user("fix the bug"), answer("ok"), {"role": "system", "content": "# Env"})
+    back = Window.from_wire(window.to_wire())
+    assert back == window and back.is_instruction(3) and not back.is_instruction(1)
+    agent = AgentWindow("turn", 3)
+    assert AgentWindow.from_wire(agent.to_wire()) == agent
+    assert AgentWindow.from_wire(None) is None
+    # the same verdicts from the copy as from the original
+    here, there = CompactionRule(), CompactionRule()
+    for step in (main(user("a")), main(user("a"), answer("b"), user("c")), main(user("z"))):
+        assert here.classify("s", step) == there.classify("s", Window.from_wire(step.to_wire()))
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [None, (True,), (True, b"\x00" * 7, b""), (True, b"\x00" * 8, b"\x00\x01"), "window"],
+)
+def test_a_malformed_window_on_the_wire_is_refused(wire: object) -> None:
+    with pytest.raises(ValueError):
+        Window.from_wire(wire)
+
+
+@pytest.mark.parametrize("wire", [("turn",), (3, 1), ("turn", "3"), "turn"])
+def test_a_malformed_agent_window_on_the_wire_is_refused(wire: object) -> None:
+    with pytest.raises(ValueError):
+        AgentWindow.from_wire(wire)

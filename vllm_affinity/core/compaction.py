@@ -101,6 +101,10 @@ def owner_of(session: str) -> str:
     return session.split(BRANCH_SEPARATOR, 1)[0]
 
 
+#: A window on the wire: whether it carries tools, its digests and its instruction marks.
+WindowWire = tuple[bool, bytes, bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class Window:
     """What the rule compares: whether the window carries tools, its messages' digests and
@@ -122,6 +126,21 @@ class Window:
 
     def is_instruction(self, index: int) -> bool:
         return bool(self.instructions) and bool(self.instructions[index])
+
+    def to_wire(self) -> WindowWire:
+        """The window as an engine utility's argument (msgpack carries bytes as they are)."""
+        return (self.has_tools, self.messages.tobytes(), self.instructions)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> Window:
+        """The window ``to_wire`` gave; ``ValueError`` for anything else."""
+        try:
+            has_tools, digests, marks = wire
+            messages = array("Q")
+            messages.frombytes(bytes(digests))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not a window: {exc}") from None
+        return cls(bool(has_tools), messages, bytes(marks))
 
 
 def _role(message: Any) -> Any:
@@ -159,6 +178,22 @@ class AgentWindow:
             number = int(suffix)
         if kind is None:
             return None
+        return cls(kind, number)
+
+    def to_wire(self) -> tuple[str, int | None]:
+        return (self.kind, self.number)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> AgentWindow | None:
+        """What ``to_wire`` gave (``None``: the agent said nothing); ``ValueError`` else."""
+        if wire is None:
+            return None
+        try:
+            kind, number = wire
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not an agent window: {exc}") from None
+        if not isinstance(kind, str) or not (number is None or isinstance(number, int)):
+            raise ValueError("not an agent window: a kind and a number or None")
         return cls(kind, number)
 
     @classmethod

@@ -135,6 +135,7 @@ class SegmentedFreeBlockQueue:
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
+        self.released_hit = 0  # released blocks a prompt hit again before they were reused
         #: Protected blocks handed out all the same (nothing else was left).
         self.protected_reused = 0
         #: Cached blocks (any segment but FREE) handed out: the pool's eviction clock.
@@ -260,6 +261,8 @@ class SegmentedFreeBlockQueue:
                 self._num_idle -= 1
             elif self._mark[block.block_id] == _PROTECTED:
                 self._num_protected -= 1
+            else:  # a prompt needed a released block after all: the release was wrong
+                self.released_hit += 1
             self._mark[block.block_id] = _NORMAL
             self._num_marked -= 1
         elif block.block_hash is None:  # FREE (vLLM never does this: no hash, no hit)
