@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,12 +25,20 @@ from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
 from vllm_affinity.tiny_model import build
 
+from .empty_answers import FILE_ENV as EMPTY_ANSWERS_ENV
+from .empty_answers import FQCN as EMPTY_ANSWERS_FQCN
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / ".cache" / "agents" / "node_modules" / ".bin"
 API_KEY = "sk-agents-test-000000"
 
 
+#: The file through which a test makes the model answer empty (``empty_answers.py``).
+EMPTY_ANSWERS = Path(tempfile.gettempdir()) / f"jiuwen-empty-answers-{os.getpid()}"
+
+
 def _agents_server() -> VLLMServer:
+    EMPTY_ANSWERS.unlink(missing_ok=True)
     return VLLMServer(
         model=build(size="long"),
         plugin=True,
@@ -37,8 +46,13 @@ def _agents_server() -> VLLMServer:
         max_model_len=131072,
         eager=True,
         # two API-server processes, each taking connections as they come: every agent's
-        # windows are judged by the engine, which sees all of a session's requests
-        extra_args=("--api-server-count", "2"),
+        # windows are judged by the engine, which sees all of a session's requests; and a
+        # model that answers empty when a test asks it to
+        extra_args=("--api-server-count", "2", "--logits-processors", EMPTY_ANSWERS_FQCN),
+        env={
+            EMPTY_ANSWERS_ENV: str(EMPTY_ANSWERS),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from vllm_affinity.testing import VLLMServer
 
 from .conftest import (
+    EMPTY_ANSWERS,
     ClaudeCode,
     CodexCli,
     Delta,
@@ -16,6 +17,7 @@ from .conftest import (
     OpenCode,
     quiet,
 )
+from .empty_answers import ask_empty, pending
 
 
 def released(delta: Delta) -> int:
@@ -73,10 +75,11 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     assert turns["windows.append"] >= 1, turns.after
     assert turns["windows.rewrite"] == 0 and turns["releases"] == 0, turns.after
 
+    ask_empty(EMPTY_ANSWERS)  # the summary's first answer is empty: Claude Code asks again
     agent.type("/compact", "Compacted")
     quiet(agents_server)
     compact = watch()
-    assert released(compact) == 0 and compact["releases"] == 0
+    assert pending(EMPTY_ANSWERS) == 0
 
     agent.type("third question after compaction", "summary ok.")
     quiet(agents_server)
@@ -97,6 +100,8 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     # signal), and the main thread after its answer; each idle was judged on a known session
     # (acted on, or not: the session came straight back, the idle guard)
     assert plain["idles"] >= 2 and plain["idles_unknown_session"] == 0, plain.after
+    # nothing released was needed again: the title request's own prompt was kept
+    assert sum(step["released_hit"] for step in (turns, compact, rewrite, plain)) == 0
 
 
 def test_codex_compaction_releases_the_old_window_and_nothing_else(
@@ -235,3 +240,40 @@ def test_qwen_code_interactive_compress_releases_and_side_requests_stay_apart(
     assert plain["windows.append"] == 1 and plain["releases"] == 0, plain.after
     # nothing released was needed again: the memory extractor's own prompt was kept
     assert plain["released_hit"] + rewrite["released_hit"] == 0, (rewrite.after, plain.after)
+
+
+def test_claude_code_empty_answers_are_retried_and_release_only_what_is_dead(
+    claude_code: ClaudeCode, watch: Callable[[], Delta]
+) -> None:
+    """The model answers a turn empty, then a compaction's summary empty: Claude Code retries
+    each (its retry changes the last user message; its second summary request merges the
+    summary instruction into it). Every call succeeds, the retry releases nothing, and nothing
+    released is ever needed again."""
+    watch()
+    claude_code.ask("first question about the weather")
+    first = watch()
+    assert first["windows.first"] == 1 and first["releases"] == 0
+    ask_empty(EMPTY_ANSWERS)
+    claude_code.ask("second question about the plan")
+    empty = watch()
+    assert pending(EMPTY_ANSWERS) == 0  # the model did answer empty
+    assert empty["windows.retry"] == 1 and empty["windows.rewrite"] == 0, empty.after
+    assert empty["releases"] == 0, empty.after
+    claude_code.ask("third question")
+    after = watch()  # goes on from the retry: the replaced message is dead (within a block)
+    assert after["windows.append"] == 1 and released(after) <= 1, after.after
+
+    ask_empty(EMPTY_ANSWERS)
+    claude_code.ask("/compact")
+    compact = watch()
+    assert pending(EMPTY_ANSWERS) == 0
+    claude_code.ask("fourth question after compaction")
+    rewrite = watch()
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert released(compact) + released(rewrite) > 50, (compact.after, rewrite.after)
+    claude_code.ask("fifth question")
+    later = watch()
+    assert later["releases"] == 0, later.after
+    # nothing released was needed again
+    steps = (first, empty, after, compact, rewrite, later)
+    assert sum(step["released_hit"] for step in steps) == 0, later.after
