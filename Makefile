@@ -27,6 +27,10 @@ OJ_VENV   := .venv-openjiuwen
 OJ        := $(OJ_VENV)/.installed
 OJ16_VENV := .venv-openjiuwen016
 OJ16      := $(OJ16_VENV)/.installed
+# aider (PyPI), an agent that names no session, in a virtualenv of its own (tests/coding_agents).
+AIDER_VERSION := 0.86.2
+AIDER_VENV    := .venv-aider
+AIDER         := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
 
 .PHONY: debian-tools peer-agentinfer demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
 	bench-fleet model clean
@@ -56,6 +60,12 @@ $(OJ): $(UV)
 	@test -x $(OJ_VENV)/bin/python || $(PYTHON) -m venv $(OJ_VENV)
 	@echo "Installing openjiuwen 0.1.19 in $(OJ_VENV) ..."
 	$(UV_INSTALL) $(OJ_VENV)/bin/python 'openjiuwen==0.1.19.post2'
+	@touch $@
+
+$(AIDER): $(UV)
+	@test -x $(AIDER_VENV)/bin/python || $(PYTHON) -m venv $(AIDER_VENV)
+	@echo "Installing aider $(AIDER_VERSION) in $(AIDER_VENV) ..."
+	$(UV) pip install --quiet --python $(AIDER_VENV)/bin/python 'aider-chat==$(AIDER_VERSION)'
 	@touch $@
 
 $(OJ16): $(UV)
@@ -149,12 +159,12 @@ demo: $(MODEL) $(if $(filter llama,$(ARCH)),,.cache/tiny-$(ARCH)/jiuwen-recipe.j
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
 ## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
-## replicas behind nginx, the real Claude Code, Codex CLI, opencode and Qwen Code), then the
+## replicas behind nginx, the real Claude Code, Codex CLI, opencode, Qwen Code and aider), then the
 ## llama-index integration in its own virtualenv
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
 	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(HYBRID_MODELS) $(AGENTS) \
-		$(LI) $(OJ) $(OJ16) $(VLLM_NEXT_DIR)/.extracted debian-tools
+		$(LI) $(OJ) $(OJ16) $(AIDER) $(VLLM_NEXT_DIR)/.extracted debian-tools
 	$(MAKE) lint
 	$(PY) -m pytest --durations=25
 	$(MAKE) test-vllm-next
@@ -214,4 +224,4 @@ bench-fleet: $(MODEL) debian-tools
 	$(PY) -m benchmarks.fleet_bench
 
 clean:
-	rm -rf $(VENV) $(LI_VENV) $(OJ_VENV) $(OJ16_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(LI_VENV) $(OJ_VENV) $(OJ16_VENV) $(AIDER_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
