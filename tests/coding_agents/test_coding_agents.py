@@ -193,8 +193,8 @@ def test_opencode_auto_compaction_releases_the_old_window_and_nothing_else(
         assert turn["windows.side"] >= 1 and turn["windows.rewrite"] == 1, turn.after
         dead = sum(blocks_of(agents_server, text) for text in asked[:-1])
         assert released(turn) >= dead, (dead, turn.after)
-        asked = []
-    assert compacted >= 1
+        break  # one is enough here: the turns after a compaction are the other test's
+    assert compacted == 1
 
 
 #: Qwen Code marks each answer on its screen (and its compressions) with this.
