@@ -11,7 +11,8 @@
   session (``kv_parent``) starts protecting the parent's blocks (``core/subagents.py``).
 - ``EngineCore.affinity_release_prompt`` / ``affinity_session_idle`` / ``affinity_stats`` /
   ``affinity_check`` / ``affinity_classify_window`` (the compaction rule, when several API
-  servers share the engine): called from the API server through
+  servers share the engine) / ``affinity_chain_of`` / ``affinity_record_answer`` (the implicit
+  sessions' table, likewise): called from the API server through
   ``call_utility_async``; they run inside the engine-core process between scheduler steps, so
   no locking against the scheduler is needed. They turn ``PoolAffinity``'s answers (the
   protocol's models) into plain dicts, at the process boundary.
@@ -33,6 +34,7 @@ import wrapt
 from jiuwen_kv_protocol.models import ReleaseMode
 
 from .compat import check_supported_vllm
+from .core.answer_chains import Answer, AnswerChains, ChainWindow
 from .core.compaction import AgentWindow, CompactionRule, Window
 from .core.groups import KVGroup, kind_of
 from .pool_affinity import (
@@ -248,6 +250,27 @@ def _make_classify_window(max_sessions: int) -> Any:
     return affinity_classify_window
 
 
+def _make_chain_utilities(max_sessions: int) -> tuple[Any, Any]:
+    """The implicit sessions' table here, when several API servers share the engine
+    (``implicit_sessions.EngineChains``); created on first use."""
+
+    def table(engine: Any) -> AnswerChains:
+        chains = getattr(engine, "_jiuwen_chains", None)
+        if chains is None:
+            chains = engine._jiuwen_chains = AnswerChains(max_sessions)
+        return chains
+
+    def affinity_chain_of(self: Any, principal: str, window: Any) -> tuple[str, bool]:
+        """EngineCore utility: the chain a window of ``principal`` continues, or a new one."""
+        return table(self).chain_of(principal, ChainWindow.from_wire(window))
+
+    def affinity_record_answer(self: Any, principal: str, chain: str, answer: Any) -> None:
+        """EngineCore utility: the server answered ``chain``'s request with ``answer``."""
+        table(self).record(principal, chain, Answer.from_wire(answer))
+
+    return affinity_chain_of, affinity_record_answer
+
+
 def affinity_check(self: Any) -> dict[str, Any]:
     """EngineCore utility: the invariants, checked between scheduler steps."""
     state = _engine_state(self)
@@ -286,4 +309,7 @@ def apply_engine_patches() -> None:
     EngineCore.affinity_stats = affinity_stats
     EngineCore.affinity_check = affinity_check
     EngineCore.affinity_classify_window = _make_classify_window(settings.max_sessions)
+    chain_of, record_answer = _make_chain_utilities(settings.max_sessions)
+    EngineCore.affinity_chain_of = chain_of
+    EngineCore.affinity_record_answer = record_answer
     _applied = True

@@ -171,6 +171,13 @@ class AffinityMetrics:
             ["verdict"],
             registry=registry,
         )
+        self._chains = Counter(
+            "vllm_affinity_implicit_sessions",
+            "Requests that named no session, by how their session was told from the answers "
+            "they carry back: continued (an earlier chain) or started (a new one)",
+            ["outcome"],
+            registry=registry,
+        )
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()
         self._lock = threading.Lock()
@@ -205,6 +212,11 @@ class AffinityMetrics:
         self._windows.labels(verdict=verdict).inc()
         with self._lock:
             self._counts[f"windows.{verdict}"] += 1
+
+    def count_chain(self, outcome: str) -> None:
+        self._chains.labels(outcome=outcome).inc()
+        with self._lock:
+            self._counts[f"implicit.{outcome}"] += 1
 
     def update_engine_stats(self, engines: list[dict[str, Any]]) -> None:
         with self._lock:

@@ -34,6 +34,7 @@ from .core import engine_rank
 from .core.compaction import owner_of
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
+from .implicit_sessions import AnswerRecords, EngineChains, LocalChains
 from .instructions import INSTRUCTION_ROLES, Instructions
 from .lifecycle import IdleSignals
 from .metrics import AffinityMetrics
@@ -85,6 +86,9 @@ class ReleaseService:
     windows: LocalWindows | EngineWindows = field(init=False)
     #: Subagents' instruction lengths, which their end keeps (``instructions.py``).
     instructions: Instructions = field(init=False)
+    #: The chains of requests that name no session (``implicit_sessions.py``); ``None`` when
+    #: ``VLLM_AFFINITY_IMPLICIT_SESSIONS`` is off.
+    answers: AnswerRecords | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle_signals = IdleSignals(
@@ -94,6 +98,14 @@ class ReleaseService:
             self.windows = EngineWindows(self.call_engine_of)
         else:
             self.windows = LocalWindows(self.settings.max_sessions)
+        self.answers = None
+        if self.settings.implicit_sessions == "answers":
+            chains = (
+                EngineChains(self.call_engine_of)
+                if self.api_servers > 1
+                else LocalChains(self.settings.max_sessions)
+            )
+            self.answers = AnswerRecords(chains)
         self.instructions = Instructions(
             self.serving_chat, self.serving_responses, self.settings.max_sessions
         )

@@ -8,16 +8,19 @@ decided), each testable alone:
 2. ``session_source``: the agents' own session headers, Qwen Code's metadata,
    ``prompt_cache_key``, and a subagent's parent;
 3. ``principal``: the caller's tenant (``core/tenants.py``);
-4. ``session``: the key the engine binds under, judged by the compaction rule (a side branch's
+4. ``implicit_session``: a request that names no session gets the chain of the answers it
+   carries back (``implicit_sessions.py``, when on);
+5. ``session``: the key the engine binds under, judged by the compaction rule (a side branch's
    key, a rewrite or retry for the engine: ``agent_windows.py``);
-5. ``next_use``: ``X-KV-Next-Use``, validated (a malformed one is refused);
-6. ``engine``: a data-parallel server's engine for the session;
-7. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core.
+6. ``next_use``: ``X-KV-Next-Use``, validated (a malformed one is refused);
+7. ``engine``: a data-parallel server's engine for the session;
+8. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core.
 
 A step refuses a request by raising ``Refusal`` (answered with vLLM's own 400, counted); a
 step may be a coroutine function (``session`` asks the engine that serves the session when the
 server runs several API servers). After vLLM's call, ``finish`` adds a subagent's or a side
-request's instruction length and the lifecycle watch. A new session source or rule is a new
+request's instruction length, the record of an implicit session's answer and the lifecycle
+watch. A new session source or rule is a new
 step in the list.
 """
 
@@ -36,11 +39,13 @@ from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
 from .agent_windows import apply_verdict, prompt_cache_key, qwen_code_metadata, window_to_judge
 from .core import HintError, ReleaseHint, engine_rank
+from .core.answer_chains import ChainWindow
 from .core.compaction import BRANCH_SEPARATOR, Verdict, Window
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
+from .implicit_sessions import chain_window_of, with_answer
 from .lifecycle import watched
 from .pool_affinity import HEAD_KEY, HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
 from .release_service import ReleaseService
@@ -73,6 +78,8 @@ class RequestPath:
     session: str | None = None  # the key the engine binds under, scoped
     verdict: Verdict | None = None  # the compaction rule's, when it applied
     window: Window | None = None  # the window the rule judged
+    chain: str | None = None  # the implicit session of a request that named none
+    chain_window: ChainWindow | None = None
     next_use: float | None = None
 
 
@@ -94,6 +101,30 @@ def principal(path: RequestPath) -> None:
         apply_principal(path.request, path.principal)
 
 
+async def implicit_session(path: RequestPath) -> None:
+    """A chat request that names no session (no header, body field, salt or metadata) gets
+    the chain of the answers it carries back, as its ``session_id``. A table that cannot be
+    asked (its engine is gone) leaves the request as it is."""
+    service = path.service
+    if service is None or service.answers is None:
+        return
+    if not hasattr(path.request, "session_id") or path.request.session_id is not None:
+        return
+    if session_key(path.serving, path.request, path.raw_request):
+        return
+    window = chain_window_of(path.request)
+    if window is None:
+        return
+    try:
+        chain, continued = await service.answers.chains.chain_of(path.principal, window)
+    except Exception as exc:  # the engine is dying: the request goes on as vanilla's
+        logger.warning("vllm_affinity: could not link a request to its session: %s", exc)
+        return
+    service.metrics.count_chain("continued" if continued else "started")
+    path.chain, path.chain_window = chain, window
+    path.request.session_id = chain
+
+
 async def session(path: RequestPath) -> None:
     """The engine's key for the request, after the compaction rule's verdict (judged where
     every request of the session is seen: ``agent_windows.py``). A rule that cannot be asked
@@ -105,9 +136,8 @@ async def session(path: RequestPath) -> None:
         return
     path.owner = scoped(path.principal, named)
     service = path.service
-    judged = window_to_judge(
-        path.request, path.raw_request.headers, named, path.settings.infer_compaction
-    )
+    scope = "all" if path.chain is not None else path.settings.infer_compaction
+    judged = window_to_judge(path.request, path.raw_request.headers, named, scope)
     if judged is not None:
         path.window = judged[0]
         try:
@@ -151,6 +181,7 @@ STEPS: tuple[Step, ...] = (
     cache_sharing,
     session_source,
     principal,
+    implicit_session,
     session,
     next_use,
     engine,
@@ -177,6 +208,9 @@ def finish(path: RequestPath, call: Any) -> Any:
     elif path.verdict == "side" and path.window is not None:
         key = side_instructions_key(session_, path.window)
         call = with_instructions(service, key, path.request, call)
+    if path.chain is not None and path.chain_window is not None and service.answers:
+        on_answer = service.answers.on_answer(path.principal, path.chain_window, path.chain)
+        call = with_answer(call, on_answer)
     if settings.lifecycle:
         named_tool = not isinstance(getattr(path.request, "tool_choice", None), str | None)
         on_finish = service.idle_signals.on_finish(

@@ -4,12 +4,21 @@ vLLM's own request class. The whole path runs in every real-server test."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 from prometheus_client import CollectorRegistry
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+    FunctionCall,
+    ToolCall,
+    UsageInfo,
+)
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER, PARENT_HEADER
@@ -18,6 +27,7 @@ from vllm_affinity import engine, request_path
 from vllm_affinity.agent_windows import EngineWindows, LocalWindows
 from vllm_affinity.core.compaction import Window
 from vllm_affinity.engine import HINT_KEY, PARENT_KEY
+from vllm_affinity.implicit_sessions import AnswerRecords, EngineChains, LocalChains
 from vllm_affinity.metrics import AffinityMetrics
 from vllm_affinity.request_path import STEPS, Refusal, RequestPath, finish
 from vllm_affinity.settings import Settings
@@ -40,6 +50,7 @@ def test_the_steps_read_like_the_requests_path() -> None:
         "cache_sharing",
         "session_source",
         "principal",
+        "implicit_session",
         "session",
         "next_use",
         "engine",
@@ -134,3 +145,110 @@ def test_an_engine_that_cannot_judge_leaves_the_request_unjudged(
         asyncio.run(request_path.session(path))
     assert path.verdict is None and path.session == "cc-1"  # bound, not judged
     assert "could not judge a window" in caplog.text
+
+
+def _engine_chains(engine_core: Any) -> EngineChains:
+    """The implicit sessions' table in the engine utilities themselves, their arguments through
+    vLLM's own msgpack encoder and decoder."""
+    chain_of, record = engine._make_chain_utilities(max_sessions=100)
+    utilities = {"affinity_chain_of": chain_of, "affinity_record_answer": record}
+
+    async def call_engine(key: str, method: str, *args: Any) -> Any:
+        wire = MsgpackDecoder().decode(MsgpackEncoder().encode(args))
+        answer = utilities[method](engine_core, *wire)
+        return MsgpackDecoder().decode(MsgpackEncoder().encode(answer))
+
+    return EngineChains(call_engine)
+
+
+def _response(text: str, call_id: str | None = None) -> ChatCompletionResponse:
+    call = FunctionCall(name="read", arguments="{}")
+    calls = [ToolCall(id=call_id, function=call)] if call_id else []
+    message = ChatMessage(role="assistant", content=text, tool_calls=calls)
+    choice = ChatCompletionResponseChoice(index=0, message=message, finish_reason="stop")
+    return ChatCompletionResponse(model="m", choices=[choice], usage=UsageInfo())
+
+
+def _stream(text: str, call_id: str) -> list[str]:
+    """SSE chunks as vLLM streams an answer: text in pieces, a tool call's id in its first."""
+    chunks = [{"delta": {"content": piece}} for piece in (text[:5], text[5:])]
+    chunks.append({"delta": {"tool_calls": [{"index": 0, "id": call_id, "type": "function"}]}})
+    lines = [f"data: {json.dumps({'choices': [dict(index=0, **c)]})}\n\n" for c in chunks]
+    return [*lines, "data: [DONE]\n\n"]
+
+
+def test_requests_that_name_no_session_are_linked_by_the_answers_they_carry_back() -> None:
+    """One conversation and a second one with the same prompt, through the step and the answer
+    reader, with the table here and in the engine: the same chains."""
+    system = {"role": "system", "content": "You are a coding agent."}
+    task = {"role": "user", "content": "fix it"}
+
+    async def conversation(chains: Any) -> list[tuple[str | None, bool]]:
+        records = AnswerRecords(chains)
+        service = SimpleNamespace(answers=records, metrics=AffinityMetrics(CollectorRegistry()))
+        seen = []
+
+        async def call(messages: list[Any], answer: Any) -> Any:
+            path = path_of({"messages": messages}, {}, [])
+            path.service, path.serving = (
+                cast(Any, service),
+                SimpleNamespace(_get_session_id=lambda request, raw: request.session_id),
+            )
+            path.settings = Settings(lifecycle=False)
+            await request_path.implicit_session(path)
+            seen.append((path.chain, service.metrics.api_counts().get("implicit.continued", 0)))
+
+            async def vllm() -> Any:
+                if isinstance(answer, list):
+
+                    async def stream() -> Any:
+                        for chunk in answer:
+                            yield chunk
+
+                    return stream()
+                return answer
+
+            path.session = path.chain
+            result = await finish(path, vllm())
+            if hasattr(result, "__aiter__"):
+                [chunk async for chunk in result]
+            await records.drain()
+            return result
+
+        await call([system, task], _response("Looking at the test now.", "call_a1"))
+        tool = {"role": "tool", "tool_call_id": "call_a1", "content": "out"}
+        asked = {"role": "assistant", "content": "Looking at the test now.", "tool_calls": [
+            {"id": "call_a1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+        ]}  # fmt: skip
+        await call([system, task, asked, tool], _stream("Fixed the off-by-one.", "call_a2"))
+        await call([system, task], _response("Another session's answer."))  # same prompt
+        said = {"role": "assistant", "content": "Fixed the off-by-one."}
+        await call([system, task, asked, tool, said, {"role": "user", "content": "and?"}], None)
+        return [(chain is not None, count) for chain, count in seen], [c for c, _ in seen]
+
+    local_flags, local_chains = asyncio.run(conversation(LocalChains(100)))
+    remote_flags, remote_chains = asyncio.run(conversation(_engine_chains(SimpleNamespace())))
+    assert local_flags == remote_flags == [(True, 0), (True, 1), (True, 1), (True, 2)]
+    for chains in (local_chains, remote_chains):
+        first, second, other, third = chains
+        assert first == second == third != other
+
+
+def test_a_table_that_cannot_be_asked_leaves_the_request_as_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def gone(key: str, method: str, *args: Any) -> Any:
+        raise ConnectionError("engine dead")
+
+    path = path_of({}, {}, [])
+    path.service = cast(
+        Any,
+        SimpleNamespace(
+            answers=AnswerRecords(EngineChains(gone)), metrics=AffinityMetrics(CollectorRegistry())
+        ),
+    )
+    path.serving = SimpleNamespace(_get_session_id=lambda request, raw: None)
+    with caplog.at_level("WARNING", logger="vllm_affinity"):
+        asyncio.run(request_path.implicit_session(path))
+    assert path.chain is None and path.request.session_id is None
+    assert "could not link a request" in caplog.text

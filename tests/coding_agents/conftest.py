@@ -50,6 +50,9 @@ def _agents_server() -> VLLMServer:
         # model that answers empty when a test asks it to
         extra_args=("--api-server-count", "2", "--logits-processors", EMPTY_ANSWERS_FQCN),
         env={
+            # agents that name no session get the chains of their answers (aider, Qwen Code
+            # without its request metadata); the others are not touched by it
+            "VLLM_AFFINITY_IMPLICIT_SESSIONS": "answers",
             EMPTY_ANSWERS_ENV: str(EMPTY_ANSWERS),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         },
@@ -76,6 +79,9 @@ def counters(server: VLLMServer) -> dict[str, int]:
     for verdict in VERDICTS:
         count = server.metric("vllm_affinity_agent_windows_total", verdict=verdict)
         flat[f"windows.{verdict}"] = int(count)
+    for outcome in ("continued", "started"):
+        count = server.metric("vllm_affinity_implicit_sessions_total", outcome=outcome)
+        flat[f"implicit.{outcome}"] = int(count)
     return flat
 
 

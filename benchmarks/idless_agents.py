@@ -1,0 +1,200 @@
+"""Agents that name no session (aider, mini-swe-agent, Qwen Code by default), vanilla vLLM
+against the plugin with ``VLLM_AFFINITY_IMPLICIT_SESSIONS=answers``, on real servers.
+
+Each agent is scripted as those agents talk: a system prompt, a task, then per step the
+model's answer (sent back verbatim, streamed as agents stream) and a tool's output; every
+``--side-every`` steps a side request with a prompt of its own, shared by every session (a memory
+extractor, a commit message); every ``--compact-every`` steps a compaction: the window plus a
+summary instruction, then a new window of the system prompt and the summary (Qwen Code's and
+aider's shape). No request carries a session: the plugin tells each conversation from the
+answers its windows carry back (``core/answer_chains.py``).
+
+Two grids, each side by side on one pool size per cell (in blocks per session): one session
+alone, and four concurrent sessions that share the system prompt, the tools and the first
+message (the case where a guess could join two sessions and release one's live blocks).
+Reported per cell: prompt tokens
+computed (not read from the prefix cache) by each side and the plugin's ratio to vanilla.
+
+    python -m benchmarks.idless_agents [--pools 160,256] [--sessions 1,4] [--steps 36]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from jiuwen_replay.output import write_json
+from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+
+TOOLS = [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}]
+
+
+@dataclass(frozen=True)
+class Shape:
+    steps: int = 36
+    system_pairs: int = 120  # the agents' shared system prompt
+    side_pairs: int = 120  # the side request's own prompt
+    output_pairs: int = 24  # a tool's output, per step
+    answer_tokens: int = 24
+    summary_tokens: int = 40
+    side_every: int = 4
+    compact_every: int = 12
+    think_s: float = 0.05  # the longest pause between steps (a tool running)
+
+
+@dataclass
+class Tally:
+    """Prompt tokens sent and read from the cache, per kind of request."""
+
+    prompt: dict[str, int] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, usage: dict[str, Any]) -> None:
+        self.prompt[kind] = self.prompt.get(kind, 0) + usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached[kind] = self.cached.get(kind, 0) + (details.get("cached_tokens") or 0)
+
+    @property
+    def computed(self) -> int:
+        return sum(self.prompt.values()) - sum(self.cached.values())
+
+
+async def ask(
+    client: httpx.AsyncClient, messages: list[dict[str, Any]], max_tokens: int, tools: bool
+) -> tuple[str, dict[str, Any]]:
+    """One streamed call, as the agents make it: the answer's text and the usage."""
+    body: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if tools:
+        body["tools"] = TOOLS
+    text, usage = [], {}
+    async with client.stream("POST", "/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or ():
+                text.append((choice.get("delta") or {}).get("content") or "")
+            usage = chunk.get("usage") or usage
+    return "".join(text), usage
+
+
+async def agent(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -> None:
+    """One session: steps, side requests and compactions (see the module's docstring)."""
+    rng = random.Random(1000 + n)
+    system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
+    side = {"role": "system", "content": filler_text(random.Random(2), shape.side_pairs)}
+    window: list[dict[str, Any]] = [system, {"role": "user", "content": "Fix the failing test."}]
+    for step in range(1, shape.steps + 1):
+        answer, usage = await ask(client, window, shape.answer_tokens, tools=True)
+        tally.add("main", usage)
+        output = filler_text(rng, shape.output_pairs)
+        window += [{"role": "assistant", "content": answer}, {"role": "user", "content": output}]
+        if step % shape.side_every == 0:
+            note = [side, {"role": "user", "content": answer}]
+            tally.add("side", (await ask(client, note, 4, tools=False))[1])
+        if step % shape.compact_every == 0:
+            instruction = {"role": "user", "content": "Summarize the conversation so far."}
+            summary, usage = await ask(client, [*window, instruction], shape.summary_tokens, True)
+            tally.add("summary", usage)
+            window = [
+                system,
+                {"role": "user", "content": f"Summary of the work so far:\n{summary}"},
+                {"role": "assistant", "content": "Ok."},
+                {"role": "user", "content": filler_text(rng, shape.output_pairs)},
+            ]
+        await asyncio.sleep(rng.uniform(0, shape.think_s))
+
+
+async def run_sessions(base_url: str, sessions: int, shape: Shape) -> Tally:
+    tally = Tally()
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        await asyncio.gather(*(agent(client, n, shape, tally) for n in range(sessions)))
+    return tally
+
+
+def measure(plugin: bool, pool: int, sessions: int, shape: Shape) -> dict[str, Any]:
+    env = {"VLLM_AFFINITY_IMPLICIT_SESSIONS": "answers"} if plugin else {}
+    server = VLLMServer(plugin=plugin, num_blocks=pool, max_model_len=4096, eager=True, env=env)
+    with server:
+        tally = asyncio.run(run_sessions(server.base_url, sessions, shape))
+        extra: dict[str, Any] = {}
+        if plugin:
+            (engine,) = server.affinity_stats()["engines"]
+            extra = {
+                "released": sum(v for k, v in engine.items() if k.startswith("block_released_")),
+                "released_hit": engine.get("released_hit", 0),
+                "chains_continued": int(
+                    server.metric("vllm_affinity_implicit_sessions_total", outcome="continued")
+                ),
+                "chains_started": int(
+                    server.metric("vllm_affinity_implicit_sessions_total", outcome="started")
+                ),
+                "rewrites": int(
+                    server.metric("vllm_affinity_agent_windows_total", verdict="rewrite")
+                ),
+            }
+    return {
+        "prompt": sum(tally.prompt.values()),
+        "computed": tally.computed,
+        "by_kind": {k: (tally.prompt[k], tally.cached[k]) for k in tally.prompt},
+        **extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--pools", default="160,256", help="pool sizes in blocks per session, comma-separated"
+    )
+    parser.add_argument("--sessions", default="1,4", help="concurrent sessions per grid")
+    parser.add_argument("--steps", type=int, default=Shape.steps)
+    parser.add_argument("--out", default="benchmarks/results/idless_agents.json")
+    args = parser.parse_args(argv)
+    shape = Shape(steps=args.steps)
+    cells = []
+    for sessions in (int(s) for s in args.sessions.split(",")):
+        for pool in (int(p) * sessions for p in args.pools.split(",")):
+            cell: dict[str, Any] = {"sessions": sessions, "pool_blocks": pool}
+            for side in ("vanilla", "plugin"):
+                print(f"{sessions} session(s), {pool} blocks, {side} ...", flush=True)
+                cell[side] = measure(side == "plugin", pool, sessions, shape)
+            cell["ratio"] = round(cell["plugin"]["computed"] / cell["vanilla"]["computed"], 3)
+            print(f"  computed: vanilla {cell['vanilla']['computed']}, plugin "
+                  f"{cell['plugin']['computed']} (x{cell['ratio']})", flush=True)  # fmt: skip
+            cells.append(cell)
+    write_json(args.out, {"shape": asdict(shape), "cells": cells})
+    lines = [
+        "| sessions | pool (blocks) | vanilla computed | plugin computed | ratio | released | "
+        "chains continued / started |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        p = c["plugin"]
+        lines.append(
+            f"| {c['sessions']} | {c['pool_blocks']} | {c['vanilla']['computed']} | "
+            f"{p['computed']} | {c['ratio']} | {p['released']} | "
+            f"{p['chains_continued']} / {p['chains_started']} |"
+        )
+    with open(args.out.removesuffix(".json") + ".md", "w") as out:
+        out.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
