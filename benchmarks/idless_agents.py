@@ -15,7 +15,7 @@ message (the case where a guess could join two sessions and release one's live b
 Reported per cell: prompt tokens
 computed (not read from the prefix cache) by each side and the plugin's ratio to vanilla.
 
-    python -m benchmarks.idless_agents [--pools 160,256] [--sessions 1,4] [--steps 36]
+    python -m benchmarks.idless_agents [--pools 64,76] [--sessions 1,4] [--steps 36]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Shape:
     answer_tokens: int = 24
     summary_tokens: int = 40
     side_every: int = 4
-    compact_every: int = 12
+    compact_every: int = 10
     think_s: float = 0.05  # the longest pause between steps (a tool running)
 
 
@@ -66,14 +66,21 @@ class Tally:
 
 
 async def ask(
-    client: httpx.AsyncClient, messages: list[dict[str, Any]], max_tokens: int, tools: bool
+    client: httpx.AsyncClient,
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    tools: bool,
+    seed: int,
 ) -> tuple[str, dict[str, Any]]:
-    """One streamed call, as the agents make it: the answer's text and the usage."""
+    """One streamed call, as the agents make it: the answer's text and the usage. Sampled with
+    a seed of the session's: sessions given the same window answer differently, as a real
+    model's would, and every run gets the same answers."""
     body: dict[str, Any] = {
         "model": SERVED_NAME,
         "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": 1.0,
+        "seed": seed,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -100,16 +107,19 @@ async def agent(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -
     side = {"role": "system", "content": filler_text(random.Random(2), shape.side_pairs)}
     window: list[dict[str, Any]] = [system, {"role": "user", "content": "Fix the failing test."}]
     for step in range(1, shape.steps + 1):
-        answer, usage = await ask(client, window, shape.answer_tokens, tools=True)
+        seed = n * 10_000 + step
+        answer, usage = await ask(client, window, shape.answer_tokens, True, seed)
         tally.add("main", usage)
         output = filler_text(rng, shape.output_pairs)
         window += [{"role": "assistant", "content": answer}, {"role": "user", "content": output}]
         if step % shape.side_every == 0:
             note = [side, {"role": "user", "content": answer}]
-            tally.add("side", (await ask(client, note, 4, tools=False))[1])
+            tally.add("side", (await ask(client, note, 4, False, seed))[1])
         if step % shape.compact_every == 0:
             instruction = {"role": "user", "content": "Summarize the conversation so far."}
-            summary, usage = await ask(client, [*window, instruction], shape.summary_tokens, True)
+            summary, usage = await ask(
+                client, [*window, instruction], shape.summary_tokens, True, seed
+            )
             tally.add("summary", usage)
             window = [
                 system,
@@ -129,7 +139,8 @@ async def run_sessions(base_url: str, sessions: int, shape: Shape) -> Tally:
 
 def measure(plugin: bool, pool: int, sessions: int, shape: Shape) -> dict[str, Any]:
     env = {"VLLM_AFFINITY_IMPLICIT_SESSIONS": "answers"} if plugin else {}
-    server = VLLMServer(plugin=plugin, num_blocks=pool, max_model_len=4096, eager=True, env=env)
+    longest = min(4096, (pool - 4) * 32)  # vLLM needs a whole request to fit in the pool
+    server = VLLMServer(plugin=plugin, num_blocks=pool, max_model_len=longest, eager=True, env=env)
     with server:
         tally = asyncio.run(run_sessions(server.base_url, sessions, shape))
         extra: dict[str, Any] = {}
@@ -159,7 +170,7 @@ def measure(plugin: bool, pool: int, sessions: int, shape: Shape) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--pools", default="160,256", help="pool sizes in blocks per session, comma-separated"
+        "--pools", default="64,76", help="pool sizes in blocks per session, comma-separated"
     )
     parser.add_argument("--sessions", default="1,4", help="concurrent sessions per grid")
     parser.add_argument("--steps", type=int, default=Shape.steps)

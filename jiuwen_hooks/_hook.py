@@ -367,6 +367,12 @@ class Hook:
         """Engine root → learned state."""
         return self.directory.snapshot()
 
+    def probe(self, root: str, api_key: str | None = None) -> str:
+        """Learn an engine's state now, on this thread, and return it: a benchmark's warm-up,
+        so that its first release takes the path every later one takes (an agent's first
+        contact probes on the background thread instead)."""
+        return str(self.client.probe(root, api_key))
+
     def close(self) -> None:
         """Let running background work finish (bounded), then close the HTTP clients."""
         self.background.close()

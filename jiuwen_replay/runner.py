@@ -394,6 +394,10 @@ def run(
     try:
         if hook is not None and on_hook is not None:
             on_hook(hook)
+        if hook is not None:  # the first release takes the path the later ones take
+            for _ in range(3):
+                if hook.probe(target.root_url, options.api_key) != "unknown":
+                    break
         asyncio.run(_replay(trace, target, options, prompts, result))
         if hook is not None:
             hook.flush()

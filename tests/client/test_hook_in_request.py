@@ -244,3 +244,16 @@ def test_next_use_rides_on_calls_to_the_plugin_only(
 def test_next_use_refuses_what_is_not_seconds(bad: Any) -> None:
     with pytest.raises(ValueError, match="next_use"), jiuwen_hooks.next_use(bad):
         pass
+
+
+def test_a_probe_asked_for_up_front_makes_the_first_release_ride_on_its_request(
+    plugin_engine: LocalEngine, jiuwen_hook: jiuwen_hooks.Hook, plugin_call: Caller
+) -> None:
+    """``Hook.probe`` (a benchmark's warm-up) learns the engine's state on the caller's thread:
+    the first release due is in-request, with no POST before it."""
+    assert jiuwen_hook.probe(plugin_engine.root_url) == "in_request"
+    window = system_and_user(4)
+    plugin_call(window)
+    plugin_call(window[:3])
+    assert plugin_engine.hints[-1] == "messages_released_index=3"
+    assert plugin_engine.releases == []
