@@ -95,6 +95,10 @@ class Delta:
     def __getitem__(self, name: str) -> int:
         return self.after.get(name, 0) - self.before.get(name, 0)
 
+    def changed(self) -> dict[str, int]:
+        """The counters the call changed, and by how much (for failure messages)."""
+        return {k: self[k] for k in self.after.keys() | self.before.keys() if self[k]}
+
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> str:
     done = subprocess.run(
