@@ -33,6 +33,7 @@ from .core.compaction import (
     VERDICTS,
     AgentWindow,
     CompactionRule,
+    DigestMemo,
     Verdict,
     Window,
     side_branch,
@@ -75,6 +76,11 @@ def qwen_code_metadata(request: Any) -> tuple[str, str | None] | None:
     return session.strip(), prompt_id if isinstance(prompt_id, str) else None
 
 
+#: The digests of the messages this API server has judged: each turn resends the whole window,
+#: and only its new messages are serialised and hashed (``benchmarks/window_digest.py``).
+_DIGESTS = DigestMemo()
+
+
 def window_of(request: Any) -> Window | None:
     """The request's window: a chat request's messages (the Messages API arrives converted to
     them), a Responses request's instructions and input items; ``None`` for a completion."""
@@ -86,7 +92,7 @@ def window_of(request: Any) -> Window | None:
         instructions = getattr(request, "instructions", None)
         items = [items] if isinstance(items, str) else list(items)
         messages = [instructions, *items] if instructions else items
-    return Window.of(messages, getattr(request, "tools", None))
+    return Window.of(messages, getattr(request, "tools", None), _DIGESTS)
 
 
 def window_to_judge(

@@ -7,6 +7,7 @@ import pytest
 from vllm_affinity.core.compaction import (
     AgentWindow,
     CompactionRule,
+    DigestMemo,
     Window,
     digest,
     owner_of,
@@ -269,3 +270,24 @@ def test_a_malformed_window_on_the_wire_is_refused(wire: object) -> None:
 def test_a_malformed_agent_window_on_the_wire_is_refused(wire: object) -> None:
     with pytest.raises(ValueError):
         AgentWindow.from_wire(wire)
+
+
+def test_the_digest_memo_gives_the_digests_in_full_and_stays_bounded() -> None:
+    memo = DigestMemo(max_entries=3)
+    plain = {"role": "user", "content": "fix the parser"}
+    marked = {**plain, "cache_control": {"type": "ephemeral"}}
+    parts = {"role": "user", "content": [{"type": "text", "text": "fix the parser"}]}
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
+    for message in (plain, dict(plain), marked, parts, calls):
+        assert memo.digest(message) == digest(message)
+    assert memo.digest(plain) == memo.digest(parts) == memo.digest(marked)  # alike
+    assert len(memo) == 1  # the plain message once; the others are digested in full
+    for n in range(5):
+        assert memo.digest({"role": "user", "content": f"turn {n}"}) == digest(
+            {"role": "user", "content": f"turn {n}"}
+        )
+    assert len(memo) == 3
+    window = [plain, {"role": "assistant", "content": "done"}]
+    assert Window.of(window, None, memo) == Window.of(window, None)
+    with pytest.raises(ValueError):
+        DigestMemo(max_entries=0)

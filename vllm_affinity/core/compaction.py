@@ -119,10 +119,13 @@ class Window:
             raise ValueError("one instruction mark per message is needed")
 
     @classmethod
-    def of(cls, messages: Iterable[Any], tools: Any) -> Window:
+    def of(cls, messages: Iterable[Any], tools: Any, memo: DigestMemo | None = None) -> Window:
+        """``memo``: digests of messages seen before (an agent resends its whole window each
+        turn), so that only the new ones are serialised and hashed."""
         messages = list(messages)
         marks = bytes(_role(m) in INSTRUCTION_ROLES for m in messages)
-        return cls(bool(tools), array("Q", (digest(m) for m in messages)), marks)
+        digest_of = memo.digest if memo is not None else digest
+        return cls(bool(tools), array("Q", (digest_of(m) for m in messages)), marks)
 
     def is_instruction(self, index: int) -> bool:
         return bool(self.instructions) and bool(self.instructions[index])
@@ -209,6 +212,39 @@ def digest(message: Any) -> int:
     """A message's canonical digest (see the module's docstring)."""
     text = json.dumps(_canonical(message), sort_keys=True, separators=(",", ":"), default=str)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class DigestMemo:
+    """Digests of messages seen before, keyed by Python's own hash of the message: a message
+    of a role and a text (most of a window: user and assistant text, and system prompts) costs
+    a hash of its text, not a serialisation and a BLAKE2b. Any other message is digested in
+    full. At most ``max_entries`` (oldest out first); the text's length is checked too, so a
+    hash collision must also match in length to give a wrong digest."""
+
+    def __init__(self, max_entries: int = 65_536) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self._entries: dict[int, tuple[int, int]] = {}
+        self._max = max_entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def digest(self, message: Any) -> int:
+        if type(message) is not dict or len(message) != 2:
+            return digest(message)
+        role, content = message.get("role"), message.get("content")
+        if type(role) is not str or type(content) is not str:
+            return digest(message)
+        key = hash((role, content))
+        known = self._entries.get(key)
+        if known is not None and known[1] == len(content):
+            return known[0]
+        value = digest(message)
+        self._entries[key] = (value, len(content))
+        if len(self._entries) > self._max:
+            del self._entries[next(iter(self._entries))]
+        return value
 
 
 def _canonical(value: Any) -> Any:
