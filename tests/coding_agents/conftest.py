@@ -13,7 +13,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,57 +166,74 @@ PROMPT = "\u276f"
 
 
 @dataclass
-class InteractiveClaudeCode(ClaudeCode):
-    """Claude Code as a person runs it: interactive, in a tmux window of its own (a tmux server
-    of its own, killed at the end), typed into and read from the screen. Interactively it sends
-    a side request (no tools) beside each turn's main one."""
+class Tmux:
+    """An agent in a tmux window of its own (a tmux server of its own, killed by ``stop``),
+    typed into and read from the screen as a person would. ``busy``: what the agent shows
+    while it works."""
 
-    socket: str = ""
+    agent: str
+    busy: str
+    history: int = 200  # screen lines read back
+    socket: str = field(default_factory=lambda: f"agents-{uuid.uuid4().hex[:8]}")
 
-    def tmux(self, *args: str) -> str:
+    def run(self, *args: str) -> str:
         done = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True)
         assert done.returncode == 0, f"tmux {args[0]}: {done.stderr}"
         return done.stdout
 
-    def start(self) -> InteractiveClaudeCode:
-        self.socket = f"agents-{uuid.uuid4().hex[:8]}"
-        env = self.env()
-        env.pop("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC")  # it turns the side requests off
-        env["TERM"] = "xterm-256color"
-        command = [str(self.binary), "--tools", "Bash,Read,Edit"]
+    def launch(self, cwd: Path, env: dict[str, str], command: list[str]) -> None:
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        self.tmux(
-            "new-session", "-d", "-s", "agent", "-x", "160", "-y", "50", "-c", str(self.project),
+        self.run(
+            "new-session", "-d", "-s", "agent", "-x", "160", "-y", "50", "-c", str(cwd),
             f"env -i {exports} {shlex.join(command)}",
         )  # fmt: skip
-        self.wait_for(lambda screen: PROMPT in screen, "its prompt")
-        return self
 
     def stop(self) -> None:
-        if self.socket:
-            subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
 
     def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-t", "agent", "-S", "-200")
+        return self.run("capture-pane", "-p", "-t", "agent", "-S", f"-{self.history}")
 
     def wait_for(self, ready: Callable[[str], bool], what: str, timeout: float = 300) -> str:
-        """The screen, once ``ready`` holds for it and Claude Code is not working."""
+        """The screen, once ``ready`` holds for it and the agent is not working."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             screen = self.screen()
-            if ready(screen) and "esc to interrupt" not in screen:
+            if ready(screen) and self.busy not in screen:
                 return screen
             time.sleep(0.5)
-        raise AssertionError(f"Claude Code did not show {what} in {timeout:.0f} s:\n{screen}")
+        raise AssertionError(f"{self.agent} did not show {what} in {timeout:.0f} s:\n{screen}")
 
     def type(self, line: str, shown: str) -> str:
         """Types ``line`` and Enter; the screen once it shows ``shown`` once more than before."""
         count = self.screen().count(shown)
-        self.tmux("send-keys", "-t", "agent", "-l", line)
-        self.tmux("send-keys", "-t", "agent", "Enter")
+        self.run("send-keys", "-t", "agent", "-l", line)
+        self.run("send-keys", "-t", "agent", "Enter")
         screen = self.wait_for(lambda now: now.count(shown) > count, repr(shown))
         assert "API Error" not in screen, screen
         return screen
+
+
+@dataclass
+class InteractiveClaudeCode(ClaudeCode):
+    """Claude Code as a person runs it: interactive, in a tmux window of its own. Interactively
+    it sends a side request (no tools) beside each turn's main one."""
+
+    terminal: Tmux = field(default_factory=lambda: Tmux("Claude Code", "esc to interrupt"))
+
+    def start(self) -> InteractiveClaudeCode:
+        env = self.env()
+        env.pop("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC")  # it turns the side requests off
+        env["TERM"] = "xterm-256color"
+        self.terminal.launch(self.project, env, [str(self.binary), "--tools", "Bash,Read,Edit"])
+        self.terminal.wait_for(lambda screen: PROMPT in screen, "its prompt")
+        return self
+
+    def stop(self) -> None:
+        self.terminal.stop()
+
+    def type(self, line: str, shown: str) -> str:
+        return self.terminal.type(line, shown)
 
 
 @dataclass
@@ -379,7 +396,7 @@ class InteractiveQwenCode:
     server: VLLMServer
     home: Path
     project: Path
-    socket: str = ""
+    terminal: Tmux = field(default_factory=lambda: Tmux("Qwen Code", "esc to cancel", 300))
 
     def start(self) -> InteractiveQwenCode:
         self.project.mkdir(parents=True)
@@ -404,45 +421,15 @@ class InteractiveQwenCode:
         env["DASHSCOPE_PROXY_BASE_URL"] = self.server.base_url
         command = [str(self.binary), "--approval-mode", "yolo", "--system-prompt", "You code."]
         command += ["--core-tools", "read_file,edit,run_shell_command"]
-        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        self.socket = f"qwen-{uuid.uuid4().hex[:8]}"
-        self.tmux(
-            "new-session", "-d", "-s", "agent", "-x", "160", "-y", "50", "-c", str(self.project),
-            f"env -i {exports} {shlex.join(command)}",
-        )  # fmt: skip
-        self.wait_for(lambda screen: "Type your message" in screen, "its prompt")
+        self.terminal.launch(self.project, env, command)
+        self.terminal.wait_for(lambda screen: "Type your message" in screen, "its prompt")
         return self
 
-    def tmux(self, *args: str) -> str:
-        done = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True)
-        assert done.returncode == 0, f"tmux {args[0]}: {done.stderr}"
-        return done.stdout
-
     def stop(self) -> None:
-        if self.socket:
-            subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
-
-    def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-t", "agent", "-S", "-300")
-
-    def wait_for(self, ready: Callable[[str], bool], what: str, timeout: float = 300) -> str:
-        """The screen, once ``ready`` holds for it and Qwen Code is not working."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            screen = self.screen()
-            if ready(screen) and "esc to cancel" not in screen:
-                return screen
-            time.sleep(0.5)
-        raise AssertionError(f"Qwen Code did not show {what} in {timeout:.0f} s:\n{screen}")
+        self.terminal.stop()
 
     def type(self, line: str, shown: str) -> str:
-        """Types ``line`` and Enter; the screen once it shows ``shown`` once more than before."""
-        count = self.screen().count(shown)
-        self.tmux("send-keys", "-t", "agent", "-l", line)
-        self.tmux("send-keys", "-t", "agent", "Enter")
-        screen = self.wait_for(lambda now: now.count(shown) > count, repr(shown))
-        assert "API Error" not in screen and "[API Error" not in screen, screen
-        return screen
+        return self.terminal.type(line, shown)
 
 
 @pytest.fixture
