@@ -25,11 +25,12 @@ import asyncio
 import json
 import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from jiuwen_replay.output import write_json
+from jiuwen_replay.output import write_outputs
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 
 TOOLS = [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}]
@@ -188,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  computed: vanilla {cell['vanilla']['computed']}, plugin "
                   f"{cell['plugin']['computed']} (x{cell['ratio']})", flush=True)  # fmt: skip
             cells.append(cell)
-    write_json(args.out, {"shape": asdict(shape), "cells": cells})
     lines = [
         "| sessions | pool (blocks) | vanilla computed | plugin computed | ratio | released | "
         "chains continued / started |",
@@ -201,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{p['computed']} | {c['ratio']} | {p['released']} | "
             f"{p['chains_continued']} / {p['chains_started']} |"
         )
-    with open(args.out.removesuffix(".json") + ".md", "w") as out:
-        out.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    result = {"shape": asdict(shape), "cells": cells}
+    out = Path(args.out)
+    write_outputs(out.parent, out.stem, result, "\n".join(lines) + "\n")
     return 0
 
 

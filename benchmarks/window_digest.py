@@ -19,9 +19,10 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from jiuwen_replay.output import write_json
+from jiuwen_replay.output import write_outputs
 from vllm_affinity.core.answer_chains import ChainWindow
 from vllm_affinity.core.compaction import DigestMemo, Window
 from vllm_affinity.testing import filler_text
@@ -77,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/window_digest.json")
     args = parser.parse_args(argv)
     runs = [measure(tokens, args.rounds) for tokens in (8_000, 32_000, 128_000)]
-    write_json(args.out, {"runs": runs})
     lines = [
         "| window (tokens) | messages | full digest (ms) | with the memo (ms) | ratio | "
         "implicit sessions' read (ms) |",
@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {run['tokens']:,} | {run['messages']} | {run['full_ms']} | {run['memo_ms']} | "
             f"{run['memo_ratio']} | {run['chain_ms']} |"
         )
-    with open(args.out.removesuffix(".json") + ".md", "w") as out:
-        out.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    result = {"runs": runs}
+    out = Path(args.out)
+    write_outputs(out.parent, out.stem, result, "\n".join(lines) + "\n")
     return 0
 
 

@@ -48,7 +48,8 @@ class LocalChains:
     async def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, bool]:
         return self.table.chain_of(principal, window)
 
-    async def record(self, principal: str, instructions: str, chain: str, answer: Answer) -> None:
+    def record(self, principal: str, instructions: str, chain: str, answer: Answer) -> None:
+        """At once: the conversation's next request may follow the answer at once."""
         self.table.record(principal, chain, answer)
 
 
@@ -71,9 +72,12 @@ class EngineChains:
         )
         return str(chain), bool(continued)
 
-    async def record(self, principal: str, instructions: str, chain: str, answer: Answer) -> None:
+    def record(
+        self, principal: str, instructions: str, chain: str, answer: Answer
+    ) -> Awaitable[None]:
+        """The engine utility call, to be awaited (``AnswerRecords`` runs it in the background)."""
         key = _engine_key(principal, instructions)
-        await self._call_engine(key, "affinity_record_answer", principal, chain, answer.to_wire())
+        return self._call_engine(key, "affinity_record_answer", principal, chain, answer.to_wire())
 
 
 def _engine_key(principal: str, instructions: str) -> str:
@@ -90,10 +94,9 @@ class AnswerRecords:
 
     def on_answer(self, principal: str, window: ChainWindow, chain: str) -> OnAnswer:
         def answered(answer: Answer) -> None:
-            if isinstance(self.chains, LocalChains):  # at once: the next request may follow
-                self.chains.table.record(principal, chain, answer)
-                return
             record = self.chains.record(principal, window.instructions, chain, answer)
+            if record is None:  # recorded here, at once
+                return
             task = asyncio.get_running_loop().create_task(self._send(record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
