@@ -10,6 +10,11 @@ agrees with the server within a few thousandths of hit rate (``docs/benchmarks.m
 
     python -m benchmarks.never_worse_sim                       # the synthetic trace, 4 formats
     python -m benchmarks.never_worse_sim --traces agentinfer=PATH --per-block 16
+    python -m benchmarks.never_worse_sim --traces agentinfer=PATH --per-block 16 --copies 8
+
+``--copies N`` runs N copies of every session over one pool (``Trace.copies``: content of their
+own, each copy started ``--stagger`` trace seconds after the previous), as the load benchmark
+does on a real server.
 
 Output: ``<out>/<name>.json`` and ``.md``; exit status 0 either way (the report says).
 """
@@ -22,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jiuwen_replay.compare import finishes
+from jiuwen_replay.compare import sim_requests
 from jiuwen_replay.formats import FORMATS, WRITERS, read_trace
 from jiuwen_replay.output import write_outputs
 from jiuwen_replay.runner import ReplayOptions
@@ -34,13 +39,11 @@ POOLS = (0.1, 0.2, 0.35, 0.5, 1.0)
 SIGNALS = ("finish", "gap")
 
 
-def requests(trace: Trace, signal: str, ends: bool) -> list[Request]:
+def requests(trace: Trace, signal: str, ends: bool, hinted: bool = True) -> list[Request]:
+    """The trace as the hook replays it one call at a time (``hinted``: with its hints; a
+    coding agent's own headers carry none)."""
     options = ReplayOptions(model="-", next_use=signal, end_sessions=ends, speed=0)
-    ended = finishes(trace, options)
-    return [
-        Request(r.session, tuple(r.blocks), f, r.at)
-        for r, f in zip(trace.requests, ended, strict=True)
-    ]
+    return sim_requests(trace, options, hinted=hinted)
 
 
 def computed(calls: list[Request], capacity: int, policy: str, block: int, guard: bool) -> int:
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", default="synthetic", help="synthetic, or format=path,...")
     parser.add_argument("--pools", default=",".join(str(p) for p in POOLS))
     parser.add_argument("--per-block", type=int, default=1, help="trace blocks per cache block")
+    parser.add_argument("--copies", type=int, default=1, help="copies of every session")
+    parser.add_argument("--stagger", type=float, default=60.0, help="trace seconds between copies")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="never_worse_sim")
     args = parser.parse_args(argv)
@@ -138,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             fmt, _, path = item.partition("=")
             if fmt not in FORMATS or not path:
                 raise SystemExit(f"--traces: expected format=path, got {item!r}")
-            rows += grid(f"{fmt}:{Path(path).name}", read_trace(path, fmt), pools, args.per_block)
+            trace = read_trace(path, fmt).copies(args.copies, args.stagger)
+            name = f"{fmt}:{Path(path).name}" + (f" ×{args.copies}" if args.copies > 1 else "")
+            rows += grid(name, trace, pools, args.per_block)
     command = "python -m benchmarks.never_worse_sim " + " ".join(argv or sys.argv[1:])
     report = markdown(rows, command.strip())
     write_outputs(args.out, args.name, {"per_block": args.per_block, "cells": rows}, report)

@@ -142,6 +142,24 @@ def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
     return out
 
 
+def sim_requests(
+    trace: Trace,
+    options: ReplayOptions,
+    tokens: Sequence[tuple[int, ...]] | None = None,
+    hinted: bool = True,
+) -> list[Request]:
+    """The trace's calls as the simulator's requests: each call's prompt (``tokens``, else the
+    trace's block ids), how the plugin sees it end (``finishes``), and, where the side sends
+    them (``hinted``: the hook does, a coding agent's own headers do not), its hint."""
+    ended = finishes(trace, options)
+    hints = next_use_hints(trace.requests, options.next_use, IDLE_AFTER_S, options.speed)
+    prompts = tokens if tokens is not None else [tuple(r.blocks) for r in trace.requests]
+    return [
+        Request(r.session, t, f, r.at, hint if hinted else None)
+        for r, t, f, hint in zip(trace.requests, prompts, ended, hints, strict=True)
+    ]
+
+
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
     policy = _policy_of(summary, options)
     if summary.get("predict_return") and policy == "lifecycle":  # VLLM_AFFINITY_PREDICT_RETURN
@@ -179,11 +197,7 @@ def simulated(
     if tokens is None:
         return None
     capacity, block = pool
-    finish = finishes(trace, options)
-    requests = [
-        Request(r.session, t, f, r.at)
-        for r, t, f in zip(trace.requests, tokens, finish, strict=True)
-    ]
+    requests = sim_requests(trace, options, tokens, hinted=target.hooked)
     in_order = [requests[i] for i in result.sent_order()]
     generated = options.max_output_tokens or 1
     policy = policy_of(summary, options)

@@ -92,6 +92,8 @@ class Request:
     finish: str = "tool_calls"
     #: Seconds from the start of the trace (timed traces).
     at: float = 0.0
+    #: The agent's ``X-KV-Next-Use`` hint, seconds (the idle guard weighs it), if it sent one.
+    next_use: float | None = None
 
 
 def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
@@ -240,8 +242,8 @@ class _Cache:
                 self.idle.pop(b, None)
                 self.released[b] = None
 
-    def finished(self, session: str, finish: str) -> None:
-        """The lifecycle policy's signal: how the session's request ended."""
+    def finished(self, session: str, finish: str, next_use: float | None = None) -> None:
+        """The lifecycle policy's signal: how the session's request ended (and its hint)."""
         if self.policy not in _LIFECYCLE:
             return
         if finish == "end":
@@ -249,19 +251,21 @@ class _Cache:
         elif self.policy == "lifecycle+reach":  # every end, as the engine sees it
             self.idle_session(session, self.loop_guard)
             if finish == "stop":
-                self.idle_session(session, self.guard)
+                self.idle_session(session, self.guard, next_use)
         elif finish == "stop":
-            self.idle_session(session, self.guard)
+            self.idle_session(session, self.guard, next_use)
         elif self.loop_guard is not None:
             self.idle_session(session, self.loop_guard)
 
-    def idle_session(self, session: str, guard: IdleGuard | None) -> None:
+    def idle_session(
+        self, session: str, guard: IdleGuard | None, next_use: float | None = None
+    ) -> None:
         """As the plugin does: the session's blocks that no other session holds, tail first,
         when the idle guard finds it worth it (``vllm_affinity/core/idle_guard.py``)."""
         if guard is not None:
-            worth = guard.worth_idling(session)
+            worth = guard.worth_idling(session, next_use)
             cached = len(self.order) + len(self.idle) + len(self.released)
-            guard.went_idle(session, self.evictions, cached)
+            guard.went_idle(session, self.evictions, cached, next_use)
             if not worth:
                 return
         for b in reversed(self.latest.get(session, [])):  # the tail goes first, as in LRU
@@ -364,7 +368,7 @@ def hits_per_request(
             if stale < len(before):  # rewritten, not appended: release the stale tail
                 cache.release(request.session, stale // block)
         hits.append(cache.request(request.session, request_hashes, len(request.tokens), generated))
-        cache.finished(request.session, request.finish)
+        cache.finished(request.session, request.finish, request.next_use)
         if policy in _EARLY and index in following:
             upcoming = requests[following[index]].tokens
             stale = common_prefix_length(request.tokens, upcoming)

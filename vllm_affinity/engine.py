@@ -231,10 +231,13 @@ def _block_hashes(engine_core: Any, prompt_token_ids: list[int], cache_salt: str
     return probe.block_hashes
 
 
-def affinity_session_idle(self: Any, session: str, ends_task: bool = True) -> dict[str, Any]:
+def affinity_session_idle(
+    self: Any, session: str, ends_task: bool = True, next_use: float | None = None
+) -> dict[str, Any]:
     """EngineCore utility: the session's last call ended waiting on its user (see
-    ``core/lifecycle.py``); sent by the API server after the answer, off the request's path."""
-    return _engine_state(self).idle_session(session, ends_task).model_dump()
+    ``core/lifecycle.py``; ``next_use``: the agent's hint, seconds); sent by the API server
+    after the answer, off the request's path."""
+    return _engine_state(self).idle_session(session, ends_task, next_use).model_dump()
 
 
 def _make_classify_window(max_sessions: int) -> Any:

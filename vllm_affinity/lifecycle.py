@@ -127,15 +127,16 @@ class IdleSignals:
             self._count(f"{'idle' if idle else 'live'}.{source}")
             if idle:
                 ended = ends_task(next_use)
-                task = asyncio.get_running_loop().create_task(self._send(session, ended))
+                send = self._send(session, ended, next_use)
+                task = asyncio.get_running_loop().create_task(send)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
         return finished
 
-    async def _send(self, session: str, ended: bool) -> None:
+    async def _send(self, session: str, ended: bool, next_use: float | None) -> None:
         try:
-            await self._call_engines("affinity_session_idle", session, ended)
+            await self._call_engines("affinity_session_idle", session, ended, next_use)
         except Exception as exc:  # the engine is gone or dying: nothing to keep
             logger.warning("vllm_affinity: could not mark session %r idle: %s", session, exc)
             self._count("failed")

@@ -268,10 +268,13 @@ class PoolAffinity:
         self.counters.add("blocks_restored", restored)
         return EngineRestore(status=status, blocks_restored=restored, first_stale_block=firsts[0])
 
-    def idle_session(self, session: str, ends_task: bool = True) -> EngineIdle:
+    def idle_session(
+        self, session: str, ends_task: bool = True, next_use: float | None = None
+    ) -> EngineIdle:
         """The session waits on its user: its own blocks (every group's) go to IDLE, tail first,
-        reused after released blocks and before any live session's. Shared blocks and blocks in
-        use stay.
+        reused after released blocks and before any live session's, when the idle guard finds
+        it worth it (``next_use``, the agent's hint in seconds, weighs in). Shared blocks and
+        blocks in use stay.
 
         A subagent (a session that named a parent) whose signal ``ends_task`` (its model
         answered, or its hint says it is not back within the hour) has ended its task instead:
@@ -292,7 +295,7 @@ class PoolAffinity:
                 )
         selections = [table.select_idle(session) for table in self.tables]
         status = selections[0].status
-        if status == "ok" and not self._worth_idling(session):
+        if status == "ok" and not self._worth_idling(session, next_use):
             self.counters.add("idles_returns_soon", 1)
             return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
         blocks, moved = self.pool.blocks, 0
@@ -332,13 +335,13 @@ class PoolAffinity:
         end = head // self.pool.hash_block_size
         return ("instructions", chain[end - 1]) if 0 < end <= len(chain) else ("parent", parent)
 
-    def _worth_idling(self, session: str) -> bool:
+    def _worth_idling(self, session: str, next_use: float | None) -> bool:
         """The idle guard's verdict (``core/idle_guard.py``), noting the absence it starts."""
         guard = self.idle_guard
         if guard is None:
             return True
-        worth = guard.worth_idling(session)
-        guard.went_idle(session, self.queue.cached_reused, self.queue.num_cached)
+        worth = guard.worth_idling(session, next_use)
+        guard.went_idle(session, self.queue.cached_reused, self.queue.num_cached, next_use)
         return worth
 
     def _apply_family(self, change: FamilyChange) -> None:

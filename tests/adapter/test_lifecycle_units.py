@@ -143,11 +143,11 @@ def test_idle_signals_send_only_for_idle_sessions_and_never_raise() -> None:
         await signals.drain()
 
     asyncio.run(run())
-    assert sent == [  # the last argument: whether the signal ends a subagent's task
-        ("affinity_session_idle", "a", True),
-        ("affinity_session_idle", "c", False),  # back in 30 s: not the end of a task
-        ("affinity_session_idle", "broken", True),
-        ("affinity_session_idle", "side", True),
+    assert sent == [  # whether the signal ends a subagent's task, and the hint
+        ("affinity_session_idle", "a", True, None),
+        ("affinity_session_idle", "c", False, 30.0),  # back in 30 s: not the end of a task
+        ("affinity_session_idle", "broken", True, None),
+        ("affinity_session_idle", "side", True, None),
     ]
     outcomes = ["idle.finish_reason", "live.finish_reason", "idle.hint", "idle.finish_reason"]
     outcomes += ["live.finish_reason", "idle.side_branch", "live.hint"]

@@ -54,3 +54,42 @@ def test_bounded() -> None:
     assert not guard.worth_idling("c")
     with pytest.raises(ValueError, match="max_sessions"):
         IdleGuard(max_sessions=0)
+
+
+def hinted_absences(guard: IdleGuard, per_second: float, hints: list[float]) -> None:
+    """Absences of session "h" whose reach, in LRU's, is ``per_second`` × its hint."""
+    for hint in hints:
+        guard.went_idle("h", 0, 100, next_use=hint)
+        guard.came_back("h", round(100 * per_second * hint))
+
+
+def test_a_hint_says_how_far_past_lrus_reach_the_absence_will_last() -> None:
+    guard = IdleGuard()
+    hinted_absences(guard, 0.01, [20.0, 50.0, 400.0])  # one reach per 100 hinted seconds
+    assert guard.worth_idling("h")  # no hint: its last absence (4 reaches) decides
+    guard.went_idle("h", 0, 100)
+    guard.came_back("h", 10)  # a short one, without a hint
+    assert not guard.worth_idling("h")
+    assert not guard.worth_idling("h", next_use=30.0)  # 0.3 reaches
+    assert guard.worth_idling("h", next_use=250.0)  # 2.5 reaches: sure, whatever the history
+    assert not guard.worth_idling("h", next_use=120.0)  # 1.2: plausible, history says no
+    guard.went_idle("h", 0, 100)
+    guard.came_back("h", 150)  # now the history says yes
+    assert guard.worth_idling("h", next_use=120.0)
+    assert not guard.worth_idling("h", next_use=40.0)  # 0.4: not even plausible
+
+
+def test_without_a_hinted_absence_a_hint_changes_nothing() -> None:
+    guard = IdleGuard()
+    guard.went_idle("a", 0, 10)
+    guard.came_back("a", 30)  # no hint that time
+    assert guard.worth_idling("a", next_use=1.0) and guard.worth_idling("a")
+    assert not IdleGuard().worth_idling("new", next_use=10_000.0)  # no evidence at all
+
+
+def test_the_rate_is_learned_from_the_latest_hinted_absences() -> None:
+    guard = IdleGuard()
+    hinted_absences(guard, 0.001, [100.0] * 16)  # a quiet pool: 0.1 reach per 100 s
+    assert not guard.worth_idling("x", next_use=1000.0)  # 1 reach: only plausible, no history
+    hinted_absences(guard, 0.01, [100.0] * 16)  # the pool got busy: the old rate is forgotten
+    assert guard.worth_idling("x", next_use=250.0)
