@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             if fmt not in FORMATS or not path:
                 raise SystemExit(f"--traces: expected format=path, got {item!r}")
             trace = read_trace(path, fmt).copies(args.copies, args.stagger)
-            name = f"{fmt}:{Path(path).name}" + (f" ×{args.copies}" if args.copies > 1 else "")
+            copies = f", {args.copies} copies" if args.copies > 1 else ""
+            name = f"{fmt}:{Path(path).name}{copies}"
             rows += grid(name, trace, pools, args.per_block)
     command = "python -m benchmarks.never_worse_sim " + " ".join(argv or sys.argv[1:])
     report = markdown(rows, command.strip())

@@ -57,7 +57,7 @@ def test_bounded() -> None:
 
 
 def hinted_absences(guard: IdleGuard, per_second: float, hints: list[float]) -> None:
-    """Absences of session "h" whose reach, in LRU's, is ``per_second`` × its hint."""
+    """Absences of session "h" whose reach, in LRU's, is ``per_second`` times its hint."""
     for hint in hints:
         guard.went_idle("h", 0, 100, next_use=hint)
         guard.came_back("h", round(100 * per_second * hint))
