@@ -9,6 +9,9 @@ replay`` runs), the simulator beside it:
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
 - ``release``: the plugin with its lifecycle off, the hook releasing in the request (LRU +
   release);
+- ``plugin-untold``: the plugin as shipped, no hook and no agent headers: nothing tells it a
+  session, so it acts on nothing (simulator: LRU), and its TTFT beside vanilla's is what the
+  plugin costs a client that does not use it;
 - ``lifecycle``: the plugin as shipped, told what a real model's finish reasons would say
   (``X-KV-Next-Use``: a call whose subagents run next, or a tool call, keeps its session live; a
   finished turn or task makes it idle) (lifecycle);
@@ -82,12 +85,15 @@ class Scenario:
     agent_headers: bool = False
     #: Another system's server instead of ours (``benchmarks/peers.py``)
     peer: str = ""
+    #: The hook runs in front of the plugin (off: a client that tells the plugin nothing)
+    hooked: bool = True
 
 
 PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "true")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
+    Scenario("plugin-untold", plugin=True, lifecycle=True, hooked=False),
     Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
     Scenario("lifecycle-gap", plugin=True, lifecycle=True, next_use="gap"),
     Scenario(
@@ -149,7 +155,8 @@ def run_scenario(
         launcher=launcher, extra_args=extra,
     ) as server:  # fmt: skip
         target = Target(
-            scenario.name, server.base_url, hooked=scenario.plugin and not scenario.agent_headers,
+            scenario.name, server.base_url,
+            hooked=scenario.plugin and scenario.hooked and not scenario.agent_headers,
             agent_headers=scenario.agent_headers,
         )  # fmt: skip
         result = run(trace, target, options, nonce=1)
