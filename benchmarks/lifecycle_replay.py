@@ -201,7 +201,11 @@ def _concurrent(replayer: Replayer, calls: list[Call], speed: float) -> None:
 def run_pool(
     fraction: float, calls: list[Call], tokens: list[tuple[int, ...]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    requests = [Request(c.session, t, c.finish, c.at) for c, t in zip(calls, tokens, strict=True)]
+    hints = [float(next_use(c, Timing())[NEXT_USE_HEADER]) for c in calls]  # as sent
+    requests = [
+        Request(c.session, t, c.finish, c.at, hint)
+        for c, t, hint in zip(calls, tokens, hints, strict=True)
+    ]
     floor = -(-(max(len(t) for t in tokens) + MAX_TOKENS) // BLOCK_SIZE) + 1
     capacity = max(math.ceil(fraction * working_set(requests, BLOCK_SIZE)), floor)
     row: dict[str, Any] = {"pool": fraction, "blocks": capacity, "scenarios": {}}

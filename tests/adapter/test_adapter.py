@@ -235,6 +235,34 @@ def test_an_idle_is_not_repeated_for_a_session_that_came_back_within_lrus_reach(
     assert_no_leak(manager)
 
 
+def test_a_hinted_idle_is_judged_by_its_hint() -> None:
+    """The idle guard weighs the agent's hint (``X-KV-Next-Use``): once a hinted absence has
+    shown how many of LRU's reaches pass per hinted second, a long hint is acted on although
+    the session's own last absence came back within LRU's reach, and a short one is not."""
+    manager = make_manager(14)  # 13 usable blocks
+    state = state_of(manager)
+
+    def call(session: str, start: int, n_blocks: int) -> None:
+        request = make_request(tokens(start, n_blocks), session=session)
+        state.on_new_request(request, release_on_divergence=False)
+        run_prefill(manager, request)
+        manager.free(request)
+
+    call("B", 900, 3)
+    assert state.idle_session("B", next_use=100.0).status == "returns_soon"  # nothing learned
+    call("C", 500, 13)  # every cached block evicted while B is away: ~1 reach per 100 s
+    call("B", 900, 3)
+    call("A", 0, 3)
+    state.idle_session("A")  # no hint
+    call("A", 0, 3)  # back before a block was evicted: A's history says "returns soon"
+    assert state.idle_session("A", next_use=20.0).status == "returns_soon"  # ~0.2 reaches
+    call("A", 0, 3)
+    hinted = state.idle_session("A", next_use=500.0)  # ~5 reaches: sure
+    assert hinted.status == "ok" and hinted.blocks_idled > 0
+    assert state.check(idle=True) == []
+    assert_no_leak(manager)
+
+
 def test_idle_does_nothing_to_a_running_or_unknown_session() -> None:
     manager = make_manager(10)
     a = make_request(tokens(0, 3), session="A")

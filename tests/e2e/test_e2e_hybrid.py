@@ -56,18 +56,10 @@ def assert_every_group_released(compaction: Compaction) -> None:
     assert after.cached >= (compacted.prompt - 1) // 2, compaction.calls
 
 
-@pytest.fixture(scope="module", params=["gpt-oss", "gemma3", "qwen3-next"])
-def hybrid_server(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
-    """A plugin server of each hybrid shape in turn (a pool nothing is evicted from), stopped
-    before the next one starts: each vLLM process tree holds a few GB."""
-    with hybrid_vllm(request.param) as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """A tight pool of the gpt-oss shape, with and without the plugin, started side by side:
-    the squeeze and the replay."""
+    the squeeze and the replay (this module's first tests)."""
     plugin = hybrid_vllm("gpt-oss", num_blocks=160, max_model_len=2816)
     vanilla = hybrid_vllm("gpt-oss", plugin=False, num_blocks=160, max_model_len=2816)
     with ExitStack() as stack:
@@ -79,6 +71,22 @@ def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
         yield plugin, vanilla
 
 
+@pytest.fixture(scope="module", params=["gpt-oss", "gemma3", "qwen3-next"])
+def hybrid_server(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
+    """A plugin server of each hybrid shape in turn, stopped before the next one starts: each
+    vLLM process tree holds a few GB. gpt-oss's is the tight pair's plugin server once the
+    pair's tests are done (one start-up less; a session's four turns fit its 160 blocks, and
+    what the pair's tests left is evicted first), the others a pool nothing is evicted from."""
+    if request.param == "gpt-oss":
+        pair = request.getfixturevalue("gpt_oss_pair")
+        pair[1].stop()  # the vanilla side is done
+        yield pair[0]
+        pair[0].stop()
+        return
+    with hybrid_vllm(request.param) as server:
+        yield server
+
+
 @pytest.fixture
 def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer], None]]:
     servers: list[VLLMServer] = []
@@ -86,29 +94,6 @@ def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer
     for server in servers:
         for engine in server.idle_check()["engines"]:
             assert engine["idle"] and not engine["problems"], engine["problems"]
-
-
-def test_a_compaction_through_the_hook_releases_every_group(
-    hybrid_server: VLLMServer,
-    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
-    check_after: Callable[[VLLMServer], None],
-) -> None:
-    server = hybrid_server
-    check_after(server)
-    hook = jiuwen_hook_factory(in_request=True)
-    with jiuwen_hooks.session(f"hybrid-hook-{server.port}"):
-        compaction = grow_then_compact(server, seed=1, flush=hook.flush)
-    assert len(compaction.groups) >= 2, compaction.groups
-    assert_every_group_released(compaction)
-
-
-def test_a_compaction_told_from_claude_codes_header_releases_every_group(
-    hybrid_server: VLLMServer, check_after: Callable[[VLLMServer], None]
-) -> None:
-    server = hybrid_server
-    check_after(server)
-    headers = {CLAUDE_CODE_SESSION_HEADER: f"hybrid-cc-{server.port}"}
-    assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
 
 
 def turn(server: VLLMServer, session: str, messages: list[dict[str, Any]]) -> Call:
@@ -186,3 +171,26 @@ def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
         assert run["errors"] == 0 and run["calls"] == result["trace"]["requests"], run
     assert hooked["releases"]["in_request"] > 0, hooked["releases"]
     assert hooked["computed_tokens"] <= baseline["computed_tokens"], (hooked, baseline)
+
+
+def test_a_compaction_through_the_hook_releases_every_group(
+    hybrid_server: VLLMServer,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    check_after: Callable[[VLLMServer], None],
+) -> None:
+    server = hybrid_server
+    check_after(server)
+    hook = jiuwen_hook_factory(in_request=True)
+    with jiuwen_hooks.session(f"hybrid-hook-{server.port}"):
+        compaction = grow_then_compact(server, seed=1, flush=hook.flush)
+    assert len(compaction.groups) >= 2, compaction.groups
+    assert_every_group_released(compaction)
+
+
+def test_a_compaction_told_from_claude_codes_header_releases_every_group(
+    hybrid_server: VLLMServer, check_after: Callable[[VLLMServer], None]
+) -> None:
+    server = hybrid_server
+    check_after(server)
+    headers = {CLAUDE_CODE_SESSION_HEADER: f"hybrid-cc-{server.port}"}
+    assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
