@@ -84,7 +84,17 @@ def test_without_a_hinted_absence_a_hint_changes_nothing() -> None:
     guard.went_idle("a", 0, 10)
     guard.came_back("a", 30)  # no hint that time
     assert guard.worth_idling("a", next_use=1.0) and guard.worth_idling("a")
-    assert not IdleGuard().worth_idling("new", next_use=10_000.0)  # no evidence at all
+    assert not IdleGuard().worth_idling("new", next_use=3000.0)  # no evidence at all
+
+
+def test_a_hint_of_an_hour_or_more_is_acted_on_without_evidence() -> None:
+    """The agent's word that its task is over (a session's last call), as it ends a
+    subagent's: such sessions never come back, so evidence would never come."""
+    guard = IdleGuard()
+    assert guard.worth_idling("last", next_use=3600.0)
+    guard.went_idle("a", 0, 10)
+    guard.came_back("a", 0)  # a quick return: history says "returns soon"
+    assert guard.worth_idling("a", next_use=7200.0) and not guard.worth_idling("a")
 
 
 def test_the_rate_is_learned_from_the_latest_hinted_absences() -> None:

@@ -30,7 +30,10 @@ plugin computed up to 11% more than vanilla, while a hint's absence in reaches w
 of the 141 longest hinted absences and for 2 of the 1,267 others. The idle is acted on when the
 hint says at least ``HINT_SURE`` reaches, or at least ``HINT_PLAUSIBLE`` and the session's
 history agrees (the simulator's grids, ``docs/decisions.md``: never worse than LRU in any cell,
-where acting from one reach on was worse in two).
+where acting from one reach on was worse in three). A hint of an hour or more
+(``lifecycle.TASK_OVER_S``) is acted on with no evidence at all: it is the agent's word that its
+task is over, as it ends a subagent's; under a replay's clock ×16 the only idles were sessions'
+last calls, which never come back, and waiting for evidence kept every one of them live.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from __future__ import annotations
 import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from .lifecycle import TASK_OVER_S
 
 #: How many hinted absences the rate of LRU's reaches per hinted second is learned over.
 HINTED_ABSENCES = 16
@@ -73,6 +78,8 @@ class IdleGuard:
 
     def worth_idling(self, session: str, next_use: float | None = None) -> bool:
         """Whether to act on ``session``'s idle signal now (``next_use``: its hint, seconds)."""
+        if next_use is not None and next_use >= TASK_OVER_S:
+            return True  # "not back within the hour": the agent's word that its task is over
         ratio = self._ratio.get(session, self._prior)
         by_history = ratio is not None and ratio >= self.threshold
         if next_use is None or next_use <= 0 or not self._per_second:
