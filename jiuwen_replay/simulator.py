@@ -273,13 +273,21 @@ class _Cache:
                 del self.order[b]
                 self.idle[b] = None
 
-    def request(self, session: str, hashes: list[int], tokens: int, generated: int) -> int:
-        """Serve one request; returns the number of prompt tokens hit."""
+    def request(
+        self,
+        session: str,
+        hashes: list[int],
+        tokens: int,
+        generated: int,
+        next_use: float | None = None,
+    ) -> int:
+        """Serve one request (``next_use``: its hint); returns the number of prompt tokens
+        hit."""
         for guard in (self.guard, self.loop_guard):
             if guard is not None:
                 guard.came_back(session, self.evictions)
         if self.returns is not None:
-            self.returns.called(session)
+            self.returns.called(session, next_use)
         if self.bets is not None:
             self.bets.called(session)
         used: list[int] = []
@@ -367,7 +375,10 @@ def hits_per_request(
             stale = common_prefix_length(before, request.tokens)
             if stale < len(before):  # rewritten, not appended: release the stale tail
                 cache.release(request.session, stale // block)
-        hits.append(cache.request(request.session, request_hashes, len(request.tokens), generated))
+        served = cache.request(
+            request.session, request_hashes, len(request.tokens), generated, request.next_use
+        )
+        hits.append(served)
         cache.finished(request.session, request.finish, request.next_use)
         if policy in _EARLY and index in following:
             upcoming = requests[following[index]].tokens

@@ -40,6 +40,7 @@ from .core.groups import KVGroup, kind_of
 from .pool_affinity import (
     HEAD_KEY,
     HINT_KEY,
+    NEXT_USE_KEY,
     PARENT_KEY,
     PRINCIPAL_KEY,
     RESERVED_KEYS,
@@ -54,6 +55,7 @@ from .settings import Settings
 __all__ = [
     "HEAD_KEY",
     "HINT_KEY",
+    "NEXT_USE_KEY",
     "PARENT_KEY",
     "PRINCIPAL_KEY",
     "RESERVED_KEYS",

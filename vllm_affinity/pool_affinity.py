@@ -61,8 +61,18 @@ REWRITE_KEY = "kv_rewrite"
 RETRY_KEY = "kv_retry"
 #: Key of a subagent's instruction length in tokens (``instructions.py``): its end keeps them.
 HEAD_KEY = "kv_head"
+#: Key of the request's ``X-KV-Next-Use`` (seconds), for the predicted-return picker.
+NEXT_USE_KEY = "kv_next_use"
 #: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
-RESERVED_KEYS = (HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, REWRITE_KEY, RETRY_KEY, HEAD_KEY)
+RESERVED_KEYS = (
+    HINT_KEY,
+    PARENT_KEY,
+    PRINCIPAL_KEY,
+    REWRITE_KEY,
+    RETRY_KEY,
+    HEAD_KEY,
+    NEXT_USE_KEY,
+)
 
 
 class PoolAffinity:
@@ -457,10 +467,11 @@ class PoolAffinity:
             return
         if self.idle_guard is not None:
             self.idle_guard.came_back(session, self.queue.cached_reused)
-        if self.returns is not None:
-            self.returns.called(owner_of(session))
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
+        if self.returns is not None:
+            hinted = extra.get(NEXT_USE_KEY)
+            self.returns.called(owner_of(session), None if hinted is None else float(hinted))
         parent = extra.get(PARENT_KEY)
         if parent:
             parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)

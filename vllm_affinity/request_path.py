@@ -12,7 +12,8 @@ decided), each testable alone:
    carries back (``implicit_sessions.py``, when on);
 5. ``session``: the key the engine binds under, judged by the compaction rule (a side branch's
    key, a rewrite or retry for the engine: ``agent_windows.py``);
-6. ``next_use``: ``X-KV-Next-Use``, validated (a malformed one is refused);
+6. ``next_use``: ``X-KV-Next-Use``, validated (a malformed one is refused), and carried to
+   the engine core for the predicted-return picker when that is on;
 7. ``engine``: a data-parallel server's engine for the session;
 8. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core.
 
@@ -47,7 +48,14 @@ from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
 from .implicit_sessions import chain_window_of, with_answer
 from .lifecycle import watched
-from .pool_affinity import HEAD_KEY, HINT_KEY, PARENT_KEY, PRINCIPAL_KEY, RESERVED_KEYS
+from .pool_affinity import (
+    HEAD_KEY,
+    HINT_KEY,
+    NEXT_USE_KEY,
+    PARENT_KEY,
+    PRINCIPAL_KEY,
+    RESERVED_KEYS,
+)
 from .release_service import ReleaseService
 from .settings import Settings
 
@@ -159,6 +167,8 @@ def next_use(path: RequestPath) -> None:
         service = path.service
         assert service is not None
         raise Refusal(str(exc), lambda: service.metrics.count_lifecycle("invalid")) from None
+    if path.next_use is not None and path.settings.predict_return:  # the picker's due date
+        path.request.vllm_xargs = {**(path.request.vllm_xargs or {}), NEXT_USE_KEY: path.next_use}
 
 
 def engine(path: RequestPath) -> None:

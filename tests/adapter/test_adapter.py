@@ -562,6 +562,35 @@ def test_predicted_return_keeps_the_sessions_lru_would_evict_next() -> None:
     assert cycle_hits(predict=False)[1].stats().blocks_predicted == 0
 
 
+def test_the_picker_evicts_first_the_session_whose_hint_says_it_is_back_last() -> None:
+    """The API server carries ``X-KV-Next-Use`` to the engine (``NEXT_USE_KEY``): once a hinted
+    absence has shown how many requests pass per hinted second, a session that called last but
+    said it is away long loses its blocks before an older one that said it is back soon."""
+    from vllm_affinity.engine import NEXT_USE_KEY
+
+    manager = make_manager(12)  # 11 usable
+    state = state_of(manager)
+    state.predict_returns(True)
+
+    def call(session: str, start: int, n_blocks: int, hint: float | None = None) -> None:
+        params = SamplingParams(max_tokens=16, extra_args={NEXT_USE_KEY: hint} if hint else None)
+        request = make_request([*tokens(start, n_blocks), 1], session, sampling_params=params)
+        state.on_new_request(request, release_on_divergence=False)
+        run_prefill(manager, request)
+        manager.free(request)
+
+    call("teach", 0, 1, hint=2.0)
+    call("teach", 0, 1)  # back 1 request after a 2-second hint: half a request per second
+    call("soon", 100, 3, hint=1.0)  # LRU's oldest, back soon
+    call("late", 500, 3, hint=600.0)  # the latest, back in ten minutes
+    call("other", 900, 6)  # needs 7 blocks: 3 free, then 4 cached
+    assert state.stats().blocks_predicted > 0
+    soon = manager.get_computed_blocks(make_request([*tokens(100, 3), 1], "soon"))[1]
+    late = manager.get_computed_blocks(make_request([*tokens(500, 3), 1], "late"))[1]
+    assert (soon, late) == (3 * BLOCK, 0), (soon, late)
+    assert_no_leak(manager)
+
+
 def test_the_picker_leaves_a_block_of_no_session_to_lru() -> None:
     """LRU's victim that no session alone holds (here: a request of no session) is taken as
     LRU takes it: the picker only reorders sessions' own blocks."""

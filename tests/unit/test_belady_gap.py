@@ -147,3 +147,24 @@ def test_return_bets_trust_only_won_bets_and_stay_bounded() -> None:
     assert len(bets._bets) == 2  # the oldest open bet went first
     with pytest.raises(ValueError):
         ReturnBets(window=0)
+
+
+def test_a_hinted_call_is_due_when_its_hint_says() -> None:
+    """``X-KV-Next-Use`` on the engine's request clock: the requests that pass per hinted
+    second are learned from hinted absences; a hinted session is due its hint after its last
+    call, and one that breaks its word is overdue like any other."""
+    returns = ReturnPredictor()
+    returns.called("a", next_use=10.0)
+    for session in ("x", "y", "z", "w"):
+        returns.called(session)
+    returns.called("a")  # back 5 requests after a 10-second hint: 0.5 requests per second
+    returns.called("long", next_use=40.0)  # due 20 requests after its call
+    returns.called("short", next_use=2.0)  # due 1 request after
+    assert returns.due("long") == 6 + 20 and returns.due("short") == 7 + 1
+    returns.called("other")
+    assert returns.due("short") == 9 + (9 - 7)  # it broke its word: overdue, as long again
+    assert returns.back_last_first()[0] == "long"
+    unhinted = ReturnPredictor()
+    unhinted.called("long", next_use=40.0)  # no hinted absence yet: the call order decides
+    unhinted.called("b")
+    assert unhinted.due("long") == 2 + (2 - 0)  # the call order's rule (overdue), not the hint

@@ -31,9 +31,9 @@ of the 141 longest hinted absences and for 2 of the 1,267 others. The idle is ac
 hint says at least ``HINT_SURE`` reaches, or at least ``HINT_PLAUSIBLE`` and the session's
 history agrees (the simulator's grids, ``docs/decisions.md``: never worse than LRU in any cell,
 where acting from one reach on was worse in three). A hint of an hour or more
-(``lifecycle.TASK_OVER_S``) is acted on with no evidence at all: it is the agent's word that its
-task is over, as it ends a subagent's; under a replay's clock ×16 the only idles were sessions'
-last calls, which never come back, and waiting for evidence kept every one of them live.
+(``lifecycle.TASK_OVER_S``) is acted on with no evidence at all: it is the agent's word that
+its task is over, as it ends a subagent's; on a replay's clock sped up 16 times the only idles
+were sessions' last calls, which never come back, and waiting for evidence kept them all live.
 """
 
 from __future__ import annotations
