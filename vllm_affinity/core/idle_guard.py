@@ -26,11 +26,12 @@ hinted second (the median ratio per hinted second of the last ``HINTED_ABSENCES`
 had a hint, any session's), so a hint says how far past LRU's reach this absence will last. The
 last absence alone was a poor bet under load: with eight copies of the Claude Code trace on one
 pool, 80 of the 117 idles it acted on came back before LRU would have evicted them, and the
-plugin computed up to 11% more than vanilla, while a hint's absence in reaches was ≥ 1 for 106
-of the 141 longest hinted absences and for 2 of the 1,267 others. The idle is acted on when the
-hint says at least ``HINT_SURE`` reaches, or at least ``HINT_PLAUSIBLE`` and the session's
-history agrees (the simulator's grids, ``docs/decisions.md``: never worse than LRU in any cell,
-where acting from one reach on was worse in three). A hint of an hour or more
+plugin computed more than vanilla in 2 of the 20 cells of that grid, while a hint's absence in
+reaches was ≥ 1 for 106 of the 141 longest hinted absences and for 2 of the 1,267 others.
+The idle is acted on when the hint says at least ``HINT_SURE`` reaches, or at least
+``HINT_PLAUSIBLE`` and the session's history agrees (the simulator's grids,
+``docs/decisions.md``: never worse than LRU in any cell, where acting from one reach on was
+worse in three). A hint of an hour or more
 (``lifecycle.TASK_OVER_S``) is acted on with no evidence at all: it is the agent's word that
 its task is over, as it ends a subagent's; on a replay's clock sped up 16 times the only idles
 were sessions' last calls, which never come back, and waiting for evidence kept them all live.

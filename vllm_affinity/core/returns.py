@@ -19,7 +19,7 @@ call) is due when the hint says, on the same clock: the predictor learns how man
 per hinted second (the median over the last ``HINTED_ABSENCES`` hinted absences, any
 session's), and a hinted session that breaks its word is overdue like any other. On the Claude
 Code trace one call at a time, a model's finish reasons and their hints (what the hook sends),
-that took the share of the LRU → Belady gap closed at 0.1x from 40% to 63% in the simulator;
+that took the share of the LRU → Belady gap closed at 0.1x from 40% to 64% in the simulator;
 from the call order alone, no rule tried passed 56% (``docs/decisions.md``).
 
 Bounded: at most ``max_sessions`` sessions, least recently called first out.
@@ -46,8 +46,10 @@ class ReturnPredictor:
     _gap: dict[str, int] = field(default_factory=dict)
     _prior: int = 1
     _hinted: dict[str, float] = field(default_factory=dict)  # the last call's hint, seconds
-    #: Requests per hinted second, of the last hinted absences (any session's).
+    #: Requests per hinted second, of the last hinted absences (any session's), and their
+    #: median (kept: ``due`` runs for every candidate of every pick).
     _per_second: deque[float] = field(default_factory=lambda: deque(maxlen=HINTED_ABSENCES))
+    _rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -65,6 +67,7 @@ class ReturnPredictor:
             self._gap[session] = self._prior = self.now - last
             if hinted is not None:
                 self._per_second.append((self.now - last) / hinted)
+                self._rate = statistics.median(self._per_second)
         if next_use is not None and next_use > 0:
             self._hinted[session] = next_use
         self._last[session] = self.now
@@ -81,8 +84,8 @@ class ReturnPredictor:
         if last is None:
             return float("-inf")
         hinted = self._hinted.get(session)
-        if hinted is not None and self._per_second:
-            due = last + hinted * statistics.median(self._per_second)
+        if hinted is not None and self._rate is not None:
+            due = last + hinted * self._rate
         else:
             due = last + self._gap.get(session, self._prior)
         return due if due >= self.now else self.now + (self.now - last)
