@@ -519,6 +519,15 @@ class NginxRouter(LoopbackServer):
             )
         return out
 
+    def wait_routed(self, count: int, timeout: float = 10.0) -> list[Routed]:
+        """``routed()`` once at least ``count`` requests are logged: nginx writes a request's
+        line after its response is sent, so a client that got its answer can read the log
+        before the line is there (a busy machine widens that window)."""
+        deadline = time.monotonic() + timeout
+        while len(routed := self.routed()) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return routed
+
     def replica_of(self) -> dict[str, str]:
         """Session → the replica that served its latest request."""
         return {r.session: r.upstream for r in self.routed() if r.session}

@@ -102,7 +102,7 @@ def test_every_agent_session_stays_on_one_replica(engines: list[LocalEngine]) ->
     sessions = agent_sessions()
     with NginxRouter(_upstreams(engines)) as router:
         _run(router, sessions, turns=4, seed=1)
-        routed = router.routed()
+        routed = router.wait_routed(4 * len(sessions))
     owners = _owners(engines)
     assert set(owners) == {s.key for s in sessions}
     split = {key: found for key, found in owners.items() if len(found) > 1}
@@ -118,8 +118,9 @@ def test_a_subagent_is_routed_as_a_session_of_its_own(engines: list[LocalEngine]
     root's ``session-id``, a ``thread-id`` of their own) are keyed apart from their leads, as on
     the server (docs/deployment.md says why)."""
     with NginxRouter(_upstreams(engines)) as router:
-        _run(router, agent_sessions(), turns=1, seed=2)
-        keys = {r.session for r in router.routed()}
+        sessions = agent_sessions()
+        _run(router, sessions, turns=1, seed=2)
+        keys = {r.session for r in router.wait_routed(len(sessions))}
     assert {"cc-0", "cc-0/agent-0", "codex-1", "codex-1-sub"} <= keys
 
 

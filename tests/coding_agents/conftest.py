@@ -533,8 +533,9 @@ class AgentsFleet:
 
     def place(self, headers: dict[str, str]) -> int:
         """The replica nginx sends a request with these headers to (a ``/v1/models`` probe)."""
+        logged = len(self.router.routed())
         httpx.get(self.router.base_url + "/models", headers=headers, timeout=30).raise_for_status()
-        return self.replica_of(self.router.routed()[-1].upstream)
+        return self.replica_of(self.router.wait_routed(logged + 1)[logged].upstream)
 
     def served(self) -> dict[str, set[int]]:
         """Session (the key nginx hashed) → the replicas that served its model calls."""
