@@ -23,7 +23,9 @@ class ReturnBets:
     #: Settled bets the guard looks at.
     window: int = 32
     _bets: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
-    _bets_of: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
+    #: Each session's open bets, in the order they were made (a dict, not a set: a set of
+    #: strings iterates in an order Python's hash seed decides, and settling order matters).
+    _bets_of: dict[str, dict[tuple[str, str], None]] = field(default_factory=dict)
     _settled: deque[bool] = field(default_factory=deque)
     won: int = 0
     lost: int = 0
@@ -55,8 +57,8 @@ class ReturnBets:
         if key in self._bets:
             return
         self._bets[key] = None
-        self._bets_of.setdefault(chosen, set()).add(key)
-        self._bets_of.setdefault(spared, set()).add(key)
+        self._bets_of.setdefault(chosen, {})[key] = None
+        self._bets_of.setdefault(spared, {})[key] = None
         while len(self._bets) > self.max_bets:
             old, _ = self._bets.popitem(last=False)
             for name in old:
@@ -65,7 +67,7 @@ class ReturnBets:
     def _unlink(self, bet: tuple[str, str], session: str) -> None:
         peers = self._bets_of.get(session)
         if peers is not None:
-            peers.discard(bet)
+            peers.pop(bet, None)
             if not peers:
                 del self._bets_of[session]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -208,18 +209,21 @@ def test_without_idle_lru_evicts_the_session_in_a_tool_call() -> None:
     assert a_hits == 3 * BLOCK
 
 
+def serve(manager: Any, state: Any, session: str, start: int, n_blocks: int) -> None:
+    """One finished call of ``session``: a prompt of ``n_blocks`` blocks from ``start``."""
+    request = make_request(tokens(start, n_blocks), session=session)
+    state.on_new_request(request, release_on_divergence=False)
+    run_prefill(manager, request)
+    manager.free(request)
+
+
 def test_an_idle_is_not_repeated_for_a_session_that_came_back_within_lrus_reach() -> None:
     """The idle guard (``core/idle_guard.py``) on vLLM's own classes: the pool's eviction count
     while the session was away, against the cached blocks ahead of it when it left."""
     manager = make_manager(14)  # 13 usable blocks
     state = state_of(manager)
 
-    def call(session: str, start: int, n_blocks: int) -> None:
-        request = make_request(tokens(start, n_blocks), session=session)
-        state.on_new_request(request, release_on_divergence=False)
-        run_prefill(manager, request)
-        manager.free(request)
-
+    call = functools.partial(serve, manager, state)
     call("A", 0, 3)
     assert state.idle_session("A").status == "returns_soon"  # nothing learned yet
     call("A", 0, 3)  # back before a single block was evicted
@@ -242,12 +246,7 @@ def test_a_hinted_idle_is_judged_by_its_hint() -> None:
     manager = make_manager(14)  # 13 usable blocks
     state = state_of(manager)
 
-    def call(session: str, start: int, n_blocks: int) -> None:
-        request = make_request(tokens(start, n_blocks), session=session)
-        state.on_new_request(request, release_on_divergence=False)
-        run_prefill(manager, request)
-        manager.free(request)
-
+    call = functools.partial(serve, manager, state)
     call("B", 900, 3)
     assert state.idle_session("B", next_use=100.0).status == "returns_soon"  # nothing learned
     call("C", 500, 13)  # every cached block evicted while B is away: ~1 reach per 100 s

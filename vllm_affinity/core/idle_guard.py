@@ -22,8 +22,8 @@ time. Bounded: at most ``max_sessions`` sessions, least recently seen first out.
 
 An idle that comes with the agent's own word (``X-KV-Next-Use``: seconds until the session's
 next call) is judged by that word first. The guard learns how many of LRU's reaches pass per
-hinted second (the median ratio per hinted second of the last ``HINTED_ABSENCES`` absences that
-had a hint, any session's), so a hint says how far past LRU's reach this absence will last. The
+hinted second (``core/hinted_rate.py``), so a hint says how far past LRU's reach this absence
+will last. The
 last absence alone was a poor bet under load: with eight copies of the Claude Code trace on one
 pool, 80 of the 117 idles it acted on came back before LRU would have evicted them, and the
 plugin computed more than vanilla in 2 of the 20 cells of that grid, while a hint's absence in
@@ -31,22 +31,20 @@ reaches was ≥ 1 for 106 of the 141 longest hinted absences and for 2 of the 1,
 The idle is acted on when the hint says at least ``HINT_SURE`` reaches, or at least
 ``HINT_PLAUSIBLE`` and the session's history agrees (the simulator's grids,
 ``docs/decisions.md``: never worse than LRU in any cell, where acting from one reach on was
-worse in three). A hint of an hour or more
-(``lifecycle.TASK_OVER_S``) is acted on with no evidence at all: it is the agent's word that
-its task is over, as it ends a subagent's; on a replay's clock sped up 16 times the only idles
-were sessions' last calls, which never come back, and waiting for evidence kept them all live.
+worse in three). A hint of an hour or more (``lifecycle.TASK_OVER_S``) is acted on with no
+evidence at all: it is the agent's word that its task is over, as it ends a subagent's; on a
+replay's clock sped up 16 times the only idles were sessions' last calls, which never come
+back, and waiting for evidence kept them all live.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .hinted_rate import HintedRate
 from .lifecycle import TASK_OVER_S
 
-#: How many hinted absences the rate of LRU's reaches per hinted second is learned over.
-HINTED_ABSENCES = 16
 #: A hint that says at least this many of LRU's reaches is acted on whatever the history.
 HINT_SURE = 2.0
 #: A hint that says at least this many is acted on where the session's history agrees.
@@ -70,8 +68,7 @@ class IdleGuard:
     _away: OrderedDict[str, _Away] = field(default_factory=OrderedDict)
     _ratio: OrderedDict[str, float] = field(default_factory=OrderedDict)
     _prior: float | None = None
-    #: LRU's reaches per hinted second, of the last hinted absences (any session's).
-    _per_second: deque[float] = field(default_factory=lambda: deque(maxlen=HINTED_ABSENCES))
+    _reaches: HintedRate = field(default_factory=HintedRate)  # LRU's reaches per hinted second
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -83,9 +80,9 @@ class IdleGuard:
             return True  # "not back within the hour": the agent's word that its task is over
         ratio = self._ratio.get(session, self._prior)
         by_history = ratio is not None and ratio >= self.threshold
-        if next_use is None or next_use <= 0 or not self._per_second:
+        reaches = None if next_use is None or next_use <= 0 else self._reaches.ticks(next_use)
+        if reaches is None:
             return by_history
-        reaches = next_use * statistics.median(self._per_second)
         sure, plausible = HINT_SURE * self.threshold, HINT_PLAUSIBLE * self.threshold
         return reaches >= sure or (reaches >= plausible and by_history)
 
@@ -106,8 +103,8 @@ class IdleGuard:
             return
         ratio = (evictions - away.evictions) / max(1, away.cached)
         self._ratio[session] = self._prior = ratio
-        if away.next_use is not None and away.next_use > 0:
-            self._per_second.append(ratio / away.next_use)
+        if away.next_use is not None:
+            self._reaches.learn(ratio, away.next_use)
         self._ratio.move_to_end(session)
         while len(self._ratio) > self.max_sessions:
             self._ratio.popitem(last=False)

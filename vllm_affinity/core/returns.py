@@ -16,11 +16,11 @@ sessions this is Belady's choice.
 
 A call that carried the agent's hint (``X-KV-Next-Use``: seconds until its session's next
 call) is due when the hint says, on the same clock: the predictor learns how many requests pass
-per hinted second (the median over the last ``HINTED_ABSENCES`` hinted absences, any
-session's), and a hinted session that breaks its word is overdue like any other. On the Claude
-Code trace one call at a time, a model's finish reasons and their hints (what the hook sends),
-that took the share of the LRU → Belady gap closed at 0.1x from 40% to 64% in the simulator;
-from the call order alone, no rule tried passed 56% (``docs/decisions.md``).
+per hinted second (``core/hinted_rate.py``), and a hinted session that breaks its word is
+overdue like any other. On the Claude Code trace one call at a time, a model's finish reasons
+and their hints (what the hook sends), that took the share of the LRU → Belady gap closed at
+0.1x from 40% to 64% in the simulator; from the call order alone, no rule tried passed 56%
+(``docs/decisions.md``).
 
 Bounded: at most ``max_sessions`` sessions, least recently called first out.
 """
@@ -28,12 +28,10 @@ Bounded: at most ``max_sessions`` sessions, least recently called first out.
 from __future__ import annotations
 
 import itertools
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-#: How many hinted absences the requests per hinted second are learned over.
-HINTED_ABSENCES = 16
+from .hinted_rate import HintedRate
 
 
 @dataclass(slots=True)
@@ -46,10 +44,7 @@ class ReturnPredictor:
     _gap: dict[str, int] = field(default_factory=dict)
     _prior: int = 1
     _hinted: dict[str, float] = field(default_factory=dict)  # the last call's hint, seconds
-    #: Requests per hinted second, of the last hinted absences (any session's), and their
-    #: median (kept: ``due`` runs for every candidate of every pick).
-    _per_second: deque[float] = field(default_factory=lambda: deque(maxlen=HINTED_ABSENCES))
-    _rate: float | None = None
+    _requests: HintedRate = field(default_factory=HintedRate)  # requests per hinted second
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -66,8 +61,7 @@ class ReturnPredictor:
         if last is not None:
             self._gap[session] = self._prior = self.now - last
             if hinted is not None:
-                self._per_second.append((self.now - last) / hinted)
-                self._rate = statistics.median(self._per_second)
+                self._requests.learn(self.now - last, hinted)
         if next_use is not None and next_use > 0:
             self._hinted[session] = next_use
         self._last[session] = self.now
@@ -84,10 +78,8 @@ class ReturnPredictor:
         if last is None:
             return float("-inf")
         hinted = self._hinted.get(session)
-        if hinted is not None and self._rate is not None:
-            due = last + hinted * self._rate
-        else:
-            due = last + self._gap.get(session, self._prior)
+        ticks = None if hinted is None else self._requests.ticks(hinted)
+        due = last + (ticks if ticks is not None else self._gap.get(session, self._prior))
         return due if due >= self.now else self.now + (self.now - last)
 
     def back_last_first(self, limit: int = 64) -> list[str]:
