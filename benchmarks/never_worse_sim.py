@@ -12,9 +12,10 @@ agrees with the server within a few thousandths of hit rate (``docs/benchmarks.m
     python -m benchmarks.never_worse_sim --traces agentinfer=PATH --per-block 16
     python -m benchmarks.never_worse_sim --traces agentinfer=PATH --per-block 16 --copies 8
 
-``--copies N`` runs N copies of every session over one pool (``Trace.copies``: content of their
-own, each copy started ``--stagger`` trace seconds after the previous), as the load benchmark
-does on a real server.
+``--picker`` runs the plugin with its predicted-return picker on (the simulator's
+``lifecycle+return-unguarded``). ``--copies N`` runs N copies of every session over one pool
+(``Trace.copies``: content of their own, each copy started ``--stagger`` trace seconds after the
+previous), as the load benchmark does on a real server.
 
 Output: ``<out>/<name>.json`` and ``.md``; exit status 0 either way (the report says).
 """
@@ -51,9 +52,11 @@ def computed(calls: list[Request], capacity: int, policy: str, block: int, guard
     return int(result["query_tokens"] - result["hit_tokens"])
 
 
-def grid(name: str, trace: Trace, pools: tuple[float, ...], block: int) -> list[dict[str, Any]]:
-    """One row per cell: prompt tokens computed by LRU, the plugin, the plugin without guard
-    and Belady (the least any eviction order computes)."""
+def grid(
+    name: str, trace: Trace, pools: tuple[float, ...], block: int, policy: str = "lifecycle"
+) -> list[dict[str, Any]]:
+    """One row per cell: prompt tokens computed by LRU, the plugin (``policy``), the plugin
+    without guard and Belady (the least any eviction order computes)."""
     rows = []
     for signal in SIGNALS:
         for ends in (False, True):
@@ -73,8 +76,8 @@ def grid(name: str, trace: Trace, pools: tuple[float, ...], block: int) -> list[
                         "pool": pool,
                         "blocks": capacity,
                         "vanilla": lru,
-                        "plugin": computed(calls, capacity, "lifecycle", block, True),
-                        "unguarded": computed(calls, capacity, "lifecycle", block, False),
+                        "plugin": computed(calls, capacity, policy, block, True),
+                        "unguarded": computed(calls, capacity, policy, block, False),
                         "belady": computed(calls, capacity, "belady", block, True),
                     }
                 )
@@ -131,14 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stagger", type=float, default=60.0, help="trace seconds between copies")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="never_worse_sim")
+    parser.add_argument(
+        "--picker", action="store_true",
+        help="the plugin with its predicted-return picker (VLLM_AFFINITY_PREDICT_RETURN)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     pools = tuple(float(p) for p in args.pools.split(","))
+    policy = "lifecycle+return-unguarded" if args.picker else "lifecycle"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         for item in args.traces.split(","):
             if item == "synthetic":
                 for name, trace in synthetic_traces(Path(folder)).items():
-                    rows += grid(name, trace, pools, args.per_block)
+                    rows += grid(name, trace, pools, args.per_block, policy)
                 continue
             fmt, _, path = item.partition("=")
             if fmt not in FORMATS or not path:
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = read_trace(path, fmt).copies(args.copies, args.stagger)
             copies = f", {args.copies} copies" if args.copies > 1 else ""
             name = f"{fmt}:{Path(path).name}{copies}"
-            rows += grid(name, trace, pools, args.per_block)
+            rows += grid(name, trace, pools, args.per_block, policy)
     command = "python -m benchmarks.never_worse_sim " + " ".join(argv or sys.argv[1:])
     report = markdown(rows, command.strip())
     write_outputs(args.out, args.name, {"per_block": args.per_block, "cells": rows}, report)

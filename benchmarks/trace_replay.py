@@ -14,8 +14,10 @@ replay`` runs), the simulator beside it:
   plugin costs a client that does not use it;
 - ``lifecycle``: the plugin as shipped, told what a real model's finish reasons would say
   (``X-KV-Next-Use``: a call whose subagents run next, or a tool call, keeps its session live; a
-  finished turn or task makes it idle) (lifecycle);
+  finished turn or task makes it idle) (lifecycle, with the predicted-return picker);
 - ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace;
+- ``no-picker``: ``lifecycle`` with the predicted-return picker off (LRU's victims among the
+  live blocks: the plugin before issue 36; ``predict`` turns it on explicitly);
 - the subagent options of ``lifecycle`` one at a time (the hook names each subagent's parent):
   ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
   ``protect`` (a waiting parent's blocks in the PROTECTED segment, up to a quarter of the pool;
@@ -90,12 +92,14 @@ class Scenario:
 
 
 PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "true")
+NO_PICKER = ("VLLM_AFFINITY_PREDICT_RETURN", "false")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
     Scenario("plugin-untold", plugin=True, lifecycle=True, hooked=False),
     Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
     Scenario("lifecycle-gap", plugin=True, lifecycle=True, next_use="gap"),
+    Scenario("no-picker", plugin=True, lifecycle=True, next_use="finish", env=(NO_PICKER,)),
     Scenario(
         "child-idle", plugin=True, lifecycle=True, next_use="finish",
         env=(("VLLM_AFFINITY_CHILD_END", "idle"),),
@@ -163,14 +167,16 @@ def run_scenario(
         summary = summarize(result)
         # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
         modelled = {**summary, "agent_headers": False} if scenario.peer else summary
-        modelled = {**modelled, "predict_return": PREDICT in scenario.env}
+        modelled = {**modelled, "predict_return": NO_PICKER not in scenario.env}
         check = simulated(trace, options, result, modelled, tokens)
     if check is not None:
         summary["simulator"] = check
     say(
         f"    {scenario.name}: hit rate {summary['hit_rate']} (simulator "
         f"{(check or {}).get('hit_rate')}), computed {summary['computed_tokens']}, "
-        f"TTFT p50/p90 {summary['ttft_ms_p50']}/{summary['ttft_ms_p90']} ms"
+        f"TTFT p50/p90 {summary['ttft_ms_p50']}/{summary['ttft_ms_p90']} ms "
+        f"(server mean {(summary.get('server') or {}).get('ttft_ms_mean')} ms, "
+        f"before the wire p90 {summary['pre_send_ms_p90']} ms)"
     )
     return summary
 
@@ -195,10 +201,12 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         blocks = max(math.ceil(fraction * working), longest + 1) + 1
         say(f"  pool {fraction}x of {working} blocks: {blocks} blocks")
         pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
-        for scenario in scenarios(args.scenarios):
-            pool["scenarios"][scenario.name] = run_scenario(
-                trace, scenario, blocks, options, tokens, args.cores, args.model
-            )
+        for round_ in range(1, args.rounds + 1):  # alternating: the machine's drift hits all
+            for scenario in scenarios(args.scenarios):
+                name = scenario.name if round_ == 1 else f"{scenario.name}#{round_}"
+                pool["scenarios"][name] = run_scenario(
+                    trace, scenario, blocks, options, tokens, args.cores, args.model
+                )
         row["pools"].append(pool)
     return row
 
@@ -280,7 +288,44 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{s['ttft_ms_p99']:.0f} | {s.get('calls_per_s') or '-'} "
                     f"| {rel.get('total', '-')} |"
                 )
+    return "\n".join(lines) + "\n" + latency_markdown(result)
+
+
+def latency_markdown(result: dict[str, Any]) -> str:
+    """Where each run's TTFT went (``jiuwen_replay/latency.py``): the client's mean against
+    vLLM's own (queue and prefill), the client's work before the wire, its event loop's lag."""
+    lines = [
+        "",
+        "Where the TTFT goes (ms; the server's figures are vLLM's own histograms):",
+        "",
+        "| pool | scenario | client TTFT mean / p90 | server TTFT mean | queue mean "
+        "| prefill mean | server TTFT > 0.1 / 0.25 s | before the wire p50 / p90 "
+        "| client loop lag p99 / total (s) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["traces"]:
+        for pool in row["pools"]:
+            for name, s in pool["scenarios"].items():
+                srv = s.get("server") or {}
+                lines.append(
+                    f"| {pool['pool']}x | {name} | {_f(s.get('ttft_ms_mean'))} / "
+                    f"{_f(s.get('ttft_ms_p90'))} | {_f(srv.get('ttft_ms_mean'))} "
+                    f"| {_f(srv.get('queue_ms_mean'))} | {_f(srv.get('prefill_ms_mean'))} "
+                    f"| {_pct(srv.get('ttft_over_0.1s'))} / {_pct(srv.get('ttft_over_0.25s'))} "
+                    f"| {_f(s.get('pre_send_ms_p50'), '.1f')} / "
+                    f"{_f(s.get('pre_send_ms_p90'), '.1f')} "
+                    f"| {_f(s.get('loop_lag_ms_p99'), '.1f')} / "
+                    f"{_f(s.get('loop_lag_s_total'), '.1f')} |"
+                )
     return "\n".join(lines) + "\n"
+
+
+def _f(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scenarios", default="vanilla,release,lifecycle,lifecycle-gap",
         help="which, in the order they run (vanilla first: the others are compared with it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run the scenarios this many times, alternating (TTFT beside the machine's noise)",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="CI: synthetic, 4 formats, 0.5x")
     parser.add_argument("--quiet", action="store_true")

@@ -46,6 +46,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
     cached = sum(c.cached_tokens or 0 for c in ok)
     reported = any(c.cached_tokens is not None for c in ok)
     ttft = [c.ttft for c in ok if c.ttft is not None]
+    pre_send = [c.pre_send for c in ok if c.pre_send is not None]
     spans: dict[str, list[float]] = {}
     for c in result.calls:
         first, last = spans.get(c.session, [c.sent, c.done])
@@ -68,6 +69,14 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "ttft_ms_p50": _ms(percentile(ttft, 50)),
         "ttft_ms_p90": _ms(percentile(ttft, 90)),
         "ttft_ms_p99": _ms(percentile(ttft, 99)),
+        "ttft_ms_mean": _ms(sum(ttft) / len(ttft)) if ttft else None,
+        # where the TTFT goes (``latency.py``): the client before the wire, its event loop, and
+        # vLLM's own TTFT, queue and prefill
+        "pre_send_ms_p50": _ms(percentile(pre_send, 50)),
+        "pre_send_ms_p90": _ms(percentile(pre_send, 90)),
+        "loop_lag_ms_p99": _ms(percentile(result.loop_lags, 99)),
+        "loop_lag_s_total": round(sum(result.loop_lags), 2),
+        "server": result.server_latency,
         "session_s_p50": round(percentile(completion, 50) or 0.0, 2),
         "session_s_p90": round(percentile(completion, 90) or 0.0, 2),
         "wall_s": round(result.wall_s, 1),
@@ -162,7 +171,8 @@ def sim_requests(
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
     policy = _policy_of(summary, options)
-    if summary.get("predict_return") and policy == "lifecycle":  # VLLM_AFFINITY_PREDICT_RETURN
+    # the plugin's picker is on unless the server was started with it off
+    if summary.get("predict_return", True) and policy == "lifecycle":
         return "lifecycle+return-unguarded"
     return policy
 

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from jiuwen_kv_protocol.headers import (
 )
 from vllm_affinity.settings import Settings
 
+from .latency import LoopLag, histograms, server_latency
 from .prompts import WindowBuilder
 from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 
@@ -109,6 +111,8 @@ class CallRecord:
     sent: float  # seconds since the run's start
     done: float = 0.0
     ttft: float | None = None
+    #: seconds from the SDK call to its request going out (the SDK's and the hook's work)
+    pre_send: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
@@ -121,6 +125,10 @@ class RunResult:
     wall_s: float = 0.0
     server_hits: float | None = None  # prefix-cache hit and query tokens from /metrics
     server_queries: float | None = None
+    #: vLLM's own TTFT, queue and prefill over the run (``latency.server_latency``)
+    server_latency: dict[str, Any] | None = None
+    #: how late the client's event loop woke, seconds per 10 ms wake-up (``latency.LoopLag``)
+    loop_lags: list[float] = field(default_factory=list)
     hook: dict[str, Any] = field(default_factory=dict)
 
     def sent_order(self) -> list[int]:
@@ -182,6 +190,17 @@ class _Progress:
             )
 
 
+#: The call in flight in this task and when its SDK call began (for ``CallRecord.pre_send``).
+_CALL: ContextVar[tuple[CallRecord, float] | None] = ContextVar("replay_call", default=None)
+
+
+async def _on_request(request: httpx.Request) -> None:
+    """httpx's request hook: the call's request is going out now."""
+    call = _CALL.get()
+    if call is not None and call[0].pre_send is None:
+        call[0].pre_send = time.perf_counter() - call[1]
+
+
 async def _one_message(
     client: anthropic.AsyncAnthropic,
     options: ReplayOptions,
@@ -194,6 +213,7 @@ async def _one_message(
     """``_one`` on ``/v1/messages``: Anthropic's usage splits the prompt into the part read
     from the cache and the rest (vLLM's ``prompt_tokens`` is their sum)."""
     start = time.perf_counter()
+    _CALL.set((record, start))
     try:
         stream = await client.messages.create(
             model=options.model,
@@ -229,6 +249,7 @@ async def _one(
 ) -> None:
     """One streamed chat call; ``answer``: stop at ``ANSWER_STOPS`` (finish ``stop``)."""
     start = time.perf_counter()
+    _CALL.set((record, start))
     extra_body = {"ignore_eos": True} if options.ignore_eos else None
     try:
         stream = await client.chat.completions.create(
@@ -291,6 +312,7 @@ async def _replay(
             auth_token=options.api_key,
             max_retries=0,
             timeout=options.timeout,
+            http_client=anthropic.DefaultAsyncHttpxClient(event_hooks={"request": [_on_request]}),
         )
         send: Any = _one_message
     else:
@@ -299,6 +321,7 @@ async def _replay(
             api_key=options.api_key,
             max_retries=0,
             timeout=options.timeout,
+            http_client=openai.DefaultAsyncHttpxClient(event_hooks={"request": [_on_request]}),
         )
         send = _one
     start = time.monotonic()
@@ -339,6 +362,8 @@ async def _replay(
         timeout=10,
         headers={"Authorization": f"Bearer {options.api_key}"},
     )
+    lag = LoopLag()
+    lag.start()
     try:
         if options.speed <= 0:
             for index in range(len(requests)):
@@ -351,6 +376,8 @@ async def _replay(
         else:
             await asyncio.gather(*(session(ix) for ix in by_session.values()))
     finally:
+        await lag.stop()
+        result.loop_lags = lag.lags
         await client.close()
         await stats.aclose()
     result.wall_s = time.monotonic() - start
@@ -390,6 +417,7 @@ def run(
     prompts = windows(trace, options, nonce)
     result = RunResult(target)
     before = prefix_counters(target.root_url, options.api_key)
+    latency_before = histograms(metrics_text(target.root_url, options.api_key) or "")
     hook = jiuwen_hooks.install() if target.hooked else None
     try:
         if hook is not None and on_hook is not None:
@@ -410,5 +438,7 @@ def run(
     if before is not None and after is not None:
         result.server_hits = after[0] - before[0]
         result.server_queries = after[1] - before[1]
+    latency_after = histograms(metrics_text(target.root_url, options.api_key) or "")
+    result.server_latency = server_latency(latency_before, latency_after)
     result.calls.sort(key=lambda c: c.index)
     return result

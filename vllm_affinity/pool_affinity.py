@@ -337,6 +337,8 @@ class PoolAffinity:
             for table, first in zip(self.tables, firsts, strict=True)
         )
         self.counters.add("blocks_kept_instructions", kept)
+        if self.returns is not None:  # what it keeps is for its siblings: not the picker's
+            self.returns.forget(session)
         return self._release_groups(session, firsts, "child_end")
 
     def _sibling_family(self, parent: str, head: int, chain: Sequence[Any]) -> Any:

@@ -296,7 +296,7 @@ class VLLMServer(LoopbackServer):
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         self.stop()
         raise ServerStartError(
             f"vLLM not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}"

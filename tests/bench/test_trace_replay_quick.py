@@ -71,6 +71,12 @@ def test_each_format_vanilla_vs_plugin(
         assert abs(sim["sim_minus_real"]) <= 0.01, sim
         assert sim["infinite"] >= sim["belady"] >= sim["hit_rate"] - 1e-9
         assert len(run["per_call"]) == run["calls"]
+        # where the TTFT went: vLLM's own histograms saw exactly this run's calls, and its
+        # TTFT is inside the client's (which adds the wire and the client's own work)
+        server = run["server"]
+        assert server["requests"] == run["calls"], (server, run["calls"])
+        assert 0 < server["ttft_ms_mean"] <= run["ttft_ms_mean"], (server, run["ttft_ms_mean"])
+        assert 0 <= run["pre_send_ms_p50"] < run["ttft_ms_mean"], run
     assert baseline["simulator"]["policy"] == "lru" and "releases" not in baseline
     assert hooked["simulator"]["policy"] == "lru_release"
     assert hooked["engine_state"] == "in_request"

@@ -71,20 +71,35 @@ def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
         yield plugin, vanilla
 
 
+@pytest.fixture(scope="module")
+def later_shapes() -> Iterator[dict[str, VLLMServer]]:
+    """Gemma 3's and Qwen3-Next's plugin servers, started side by side once the tight pair is
+    gone (two servers at a time, as the pair: each vLLM process tree holds a few GB; their
+    start-ups overlap instead of queueing)."""
+    servers = {arch: hybrid_vllm(arch) for arch in ("gemma3", "qwen3-next")}
+    with ExitStack() as stack:
+        for server in servers.values():
+            stack.callback(server.stop)
+            server.start(wait=False)
+        yield servers
+
+
 @pytest.fixture(scope="module", params=["gpt-oss", "gemma3", "qwen3-next"])
 def hybrid_server(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
-    """A plugin server of each hybrid shape in turn, stopped before the next one starts: each
-    vLLM process tree holds a few GB. gpt-oss's is the tight pair's plugin server once the
-    pair's tests are done (one start-up less; a session's four turns fit its 160 blocks, and
-    what the pair's tests left is evicted first), the others a pool nothing is evicted from."""
+    """A plugin server of each hybrid shape in turn. gpt-oss's is the tight pair's plugin
+    server once the pair's tests are done (one start-up less; a session's four turns fit its
+    160 blocks, and what the pair's tests left is evicted first), the others a pool nothing is
+    evicted from (``later_shapes``), each stopped once its tests are done."""
     if request.param == "gpt-oss":
         pair = request.getfixturevalue("gpt_oss_pair")
         pair[1].stop()  # the vanilla side is done
         yield pair[0]
         pair[0].stop()
         return
-    with hybrid_vllm(request.param) as server:
-        yield server
+    server = request.getfixturevalue("later_shapes")[request.param]
+    server.wait_healthy()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

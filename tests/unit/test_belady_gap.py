@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jiuwen_replay.gap import CLASSES, call_class, classify
 from jiuwen_replay.returns import ReturnBets
 from jiuwen_replay.simulator import PREDICTORS, Request, hits_per_request, simulate
-from vllm_affinity.core.returns import ReturnPredictor
+from vllm_affinity.core.returns import SILENT_AFTER, ReturnPredictor
 
 B = 4
 
@@ -168,3 +168,36 @@ def test_a_hinted_call_is_due_when_its_hint_says() -> None:
     unhinted.called("long", next_use=40.0)  # no hinted absence yet: the call order decides
     unhinted.called("b")
     assert unhinted.due("long") == 2 + (2 - 0)  # the call order's rule (overdue), not the hint
+
+
+def test_a_session_that_hinted_every_call_and_then_falls_silent_is_not_due_back() -> None:
+    """An agent that knows its schedule sends no hint on a session's last call: after
+    ``SILENT_AFTER`` hinted calls in a row, a call without one reads as the last (due back
+    after every other session) until the session calls again. Fewer hints in a row, or a
+    session that never hinted, keep the call order's rule."""
+    returns = ReturnPredictor()
+    for _ in range(SILENT_AFTER):
+        returns.called("hinter", next_use=0.0)  # a tool call: live, says nothing of when
+        returns.called("other")
+    returns.called("hinter")  # no hint after a run of them: its last call
+    returns.called("other")
+    assert returns.due("hinter") == float("inf")
+    assert returns.back_last_first()[0] == "hinter"
+    returns.called("hinter")  # it came back after all: the call order decides again
+    assert returns.due("hinter") < float("inf")
+    sporadic = ReturnPredictor()
+    for _ in range(SILENT_AFTER - 1):
+        sporadic.called("s", next_use=300.0)
+    sporadic.called("s")  # too few hints in a row to read anything into one missing
+    assert sporadic.due("s") < float("inf")
+
+
+def test_a_forgotten_session_is_no_candidate_and_spared_as_unknown() -> None:
+    """A subagent's end (``PoolAffinity._end_child``): what it keeps belongs to its family, so
+    the picker neither evicts from it as a session due back late nor knows when it is due."""
+    returns = ReturnPredictor()
+    for session in ("child", "lead", "child"):
+        returns.called(session)
+    returns.forget("child")
+    assert "child" not in returns.back_last_first()
+    assert returns.due("child") == float("-inf") and len(returns) == 1
