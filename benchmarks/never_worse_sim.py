@@ -12,7 +12,7 @@ agrees with the server within a few thousandths of hit rate (``docs/benchmarks.m
     python -m benchmarks.never_worse_sim --traces agentinfer=PATH --per-block 16
     python -m benchmarks.never_worse_sim --traces agentinfer=PATH --per-block 16 --copies 8
 
-``--picker`` runs the plugin with its predicted-return picker on (the simulator's
+``--picker`` runs the plugin with its opt-in predicted-return picker on (the simulator's
 ``lifecycle+return-unguarded``). ``--copies N`` runs N copies of every session over one pool
 (``Trace.copies``: content of their own, each copy started ``--stagger`` trace seconds after the
 previous), as the load benchmark does on a real server.
@@ -101,13 +101,13 @@ def gap_closed(row: dict[str, Any]) -> str:
     return f"{(row['vanilla'] - row['plugin']) / gap:.0%}" if gap > 0 else "-"
 
 
-def markdown(rows: list[dict[str, Any]], command: str) -> str:
+def markdown(rows: list[dict[str, Any]], command: str, plugin: str = "as shipped") -> str:
     worse = [r for r in rows if r["plugin"] > r["vanilla"]]
     lines = [
         "# Never worse than vanilla: the simulator's grid",
         "",
         f"`{command}`: prompt tokens computed. **{len(worse)} of {len(rows)} cells** computed "
-        "more than vanilla with the plugin as shipped; "
+        f"more than vanilla with the plugin {plugin}; "
         f"{sum(r['unguarded'] > r['vanilla'] for r in rows)} without the idle guard.",
         "",
         "| trace | calls end by | ends | pool | vanilla (LRU) | plugin | vs vanilla "
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="never_worse_sim")
     parser.add_argument(
         "--picker", action="store_true",
-        help="the plugin with its predicted-return picker (VLLM_AFFINITY_PREDICT_RETURN)",
+        help="the plugin with its predicted-return picker on (VLLM_AFFINITY_PREDICT_RETURN)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     pools = tuple(float(p) for p in args.pools.split(","))
@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{fmt}:{Path(path).name}{copies}"
             rows += grid(name, trace, pools, args.per_block, policy)
     command = "python -m benchmarks.never_worse_sim " + " ".join(argv or sys.argv[1:])
-    report = markdown(rows, command.strip())
+    report = markdown(
+        rows, command.strip(), "with its predicted-return picker" if args.picker else "as shipped"
+    )
     write_outputs(args.out, args.name, {"per_block": args.per_block, "cells": rows}, report)
     return 0
 

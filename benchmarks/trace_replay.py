@@ -14,10 +14,10 @@ replay`` runs), the simulator beside it:
   plugin costs a client that does not use it;
 - ``lifecycle``: the plugin as shipped, told what a real model's finish reasons would say
   (``X-KV-Next-Use``: a call whose subagents run next, or a tool call, keeps its session live; a
-  finished turn or task makes it idle) (lifecycle, with the predicted-return picker);
+  finished turn or task makes it idle) (lifecycle);
 - ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace;
-- ``no-picker``: ``lifecycle`` with the predicted-return picker off (LRU's victims among the
-  live blocks: the plugin before issue 36; ``predict`` turns it on explicitly);
+- ``predict``: ``lifecycle`` with the predicted-return picker on (``VLLM_AFFINITY_PREDICT_RETURN``;
+  ``agent-headers-predict`` the same for ``agent-headers``);
 - the subagent options of ``lifecycle`` one at a time (the hook names each subagent's parent):
   ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
   ``protect`` (a waiting parent's blocks in the PROTECTED segment, up to a quarter of the pool;
@@ -92,14 +92,12 @@ class Scenario:
 
 
 PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "true")
-NO_PICKER = ("VLLM_AFFINITY_PREDICT_RETURN", "false")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
     Scenario("plugin-untold", plugin=True, lifecycle=True, hooked=False),
     Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
     Scenario("lifecycle-gap", plugin=True, lifecycle=True, next_use="gap"),
-    Scenario("no-picker", plugin=True, lifecycle=True, next_use="finish", env=(NO_PICKER,)),
     Scenario(
         "child-idle", plugin=True, lifecycle=True, next_use="finish",
         env=(("VLLM_AFFINITY_CHILD_END", "idle"),),
@@ -163,11 +161,14 @@ def run_scenario(
             hooked=scenario.plugin and scenario.hooked and not scenario.agent_headers,
             agent_headers=scenario.agent_headers,
         )  # fmt: skip
+        cpu = server.cpu_seconds()
         result = run(trace, target, options, nonce=1)
         summary = summarize(result)
+        summary["server_cpu_s"] = round(server.cpu_seconds() - cpu, 1)
         # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
         modelled = {**summary, "agent_headers": False} if scenario.peer else summary
-        modelled = {**modelled, "predict_return": NO_PICKER not in scenario.env}
+        picker = scenario.lifecycle and PREDICT in scenario.env
+        modelled = {**modelled, "predict_return": picker}
         check = simulated(trace, options, result, modelled, tokens)
     if check is not None:
         summary["simulator"] = check
@@ -300,8 +301,8 @@ def latency_markdown(result: dict[str, Any]) -> str:
         "",
         "| pool | scenario | client TTFT mean / p90 | server TTFT mean | queue mean "
         "| prefill mean | server TTFT > 0.1 / 0.25 s | before the wire p50 / p90 "
-        "| client loop lag p99 / total (s) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| client loop lag p99 / total (s) | CPU s: client / server |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["traces"]:
         for pool in row["pools"]:
@@ -315,7 +316,8 @@ def latency_markdown(result: dict[str, Any]) -> str:
                     f"| {_f(s.get('pre_send_ms_p50'), '.1f')} / "
                     f"{_f(s.get('pre_send_ms_p90'), '.1f')} "
                     f"| {_f(s.get('loop_lag_ms_p99'), '.1f')} / "
-                    f"{_f(s.get('loop_lag_s_total'), '.1f')} |"
+                    f"{_f(s.get('loop_lag_s_total'), '.1f')} "
+                    f"| {_f(s.get('client_cpu_s'), '.1f')} / {_f(s.get('server_cpu_s'), '.1f')} |"
                 )
     return "\n".join(lines) + "\n"
 

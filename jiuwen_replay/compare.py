@@ -77,6 +77,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "loop_lag_ms_p99": _ms(percentile(result.loop_lags, 99)),
         "loop_lag_s_total": round(sum(result.loop_lags), 2),
         "server": result.server_latency,
+        "client_cpu_s": None if result.client_cpu_s is None else round(result.client_cpu_s, 1),
         "session_s_p50": round(percentile(completion, 50) or 0.0, 2),
         "session_s_p90": round(percentile(completion, 90) or 0.0, 2),
         "wall_s": round(result.wall_s, 1),
@@ -171,8 +172,9 @@ def sim_requests(
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
     policy = _policy_of(summary, options)
-    # the plugin's picker is on unless the server was started with it off
-    if summary.get("predict_return", True) and policy == "lifecycle":
+    # the picker (VLLM_AFFINITY_PREDICT_RETURN, opt-in; off with the lifecycle) acts on the call
+    # order alone where no hint and no end says more
+    if summary.get("predict_return") and policy in ("lifecycle", "lru_release"):
         return "lifecycle+return-unguarded"
     return policy
 

@@ -129,6 +129,8 @@ class RunResult:
     server_latency: dict[str, Any] | None = None
     #: how late the client's event loop woke, seconds per 10 ms wake-up (``latency.LoopLag``)
     loop_lags: list[float] = field(default_factory=list)
+    #: CPU seconds the replaying process used over the run (the SDK, the hook, its threads)
+    client_cpu_s: float | None = None
     hook: dict[str, Any] = field(default_factory=dict)
 
     def sent_order(self) -> list[int]:
@@ -426,7 +428,9 @@ def run(
             for _ in range(3):
                 if hook.probe(target.root_url, options.api_key) != "unknown":
                     break
+        cpu = time.process_time()
         asyncio.run(_replay(trace, target, options, prompts, result))
+        result.client_cpu_s = time.process_time() - cpu
         if hook is not None:
             hook.flush()
             result.hook = {k: v for k, v in hook.stats().items() if k != "engines"}

@@ -106,7 +106,8 @@ class PoolAffinity:
         self.returns: ReturnPredictor | None = None
         self._victims: Iterator[tuple[float, Any]] | None = None
         self._peeked: tuple[float, Any] | None = None
-        self.predict_returns(settings.predict_return)
+        # the picker is part of the session lifecycle: release-only mode is LRU's order
+        self.predict_returns(settings.predict_return and settings.lifecycle)
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, tuple[int, ...]] = {}

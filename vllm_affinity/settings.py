@@ -49,7 +49,7 @@ class Settings:
     idle_guard: bool = True
     #: Where LRU would evict a block one session alone holds, evict instead from the session
     #: predicted back last (``core/returns.py``): closer to Belady at tight pools.
-    predict_return: bool = True
+    predict_return: bool = False
     #: Headers that name a request's session, first found wins (see
     #: ``core/session_headers.py``); a ``session_id`` in the body comes first either way.
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
@@ -89,7 +89,7 @@ class Settings:
             lifecycle=_flag(env, "VLLM_AFFINITY_LIFECYCLE", True),
             idle_after=_seconds(env, "VLLM_AFFINITY_IDLE_AFTER_S", 10.0),
             idle_guard=_flag(env, "VLLM_AFFINITY_IDLE_GUARD", True),
-            predict_return=_flag(env, "VLLM_AFFINITY_PREDICT_RETURN", True),
+            predict_return=_flag(env, "VLLM_AFFINITY_PREDICT_RETURN", False),
             release_on_divergence=_flag(env, "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", False),
             dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),

@@ -338,6 +338,23 @@ class VLLMServer(LoopbackServer):
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user and system) the server's running processes have used so far: the
+        API server, the engine core, the model worker (benchmarks compare it across runs)."""
+        import psutil
+
+        if self._process is None:
+            return 0.0
+        total = 0.0
+        root = psutil.Process(self._process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                continue
+            total += times.user + times.system
+        return total
+
     def metrics(self) -> dict[str, float]:
         """Unlabelled-sum view of ``/metrics``: ``{"name{labels}": value}``."""
         text = httpx.get(self.root_url + "/metrics", timeout=10).text
