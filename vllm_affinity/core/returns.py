@@ -26,8 +26,9 @@ A session that hinted each of its last ``SILENT_AFTER`` calls or more and then c
 hint has nothing more to say: an agent that knows its schedule sends none on a session's last
 call. It is taken as not coming back (due back last of all) until it calls again. Without this
 rule a session's unhinted last call lingered as a live one while sessions that had said they
-would be away long were evicted before it: worse than LRU in 3 of 20 cells of the Claude Code
-grid (gap hints, no ends: up to 736 prompt tokens at 0.35x); with it, none of 92 cells.
+would be away long were evicted before it: worse than LRU on the Claude Code trace with gap
+hints and no ends (736 prompt tokens more at 0.35x); with it, in none of the 92 cells of the
+simulator's never-worse grids.
 
 Bounded: at most ``max_sessions`` sessions, least recently called first out.
 """
