@@ -154,9 +154,9 @@ def metrics_text(root_url: str, api_key: str) -> str | None:
     return response.text if response.status_code == 200 else None
 
 
-def prefix_counters(root_url: str, api_key: str) -> tuple[float, float] | None:
-    """vLLM's prefix-cache hit and query token counters, or None where ``/metrics`` is absent."""
-    text = metrics_text(root_url, api_key)
+def prefix_counters(text: str | None) -> tuple[float, float] | None:
+    """vLLM's prefix-cache hit and query token counters from a ``/metrics`` page, or None where
+    there is none."""
     if text is None:
         return None
     totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
@@ -418,8 +418,8 @@ def run(
     """Replay ``trace`` against ``target`` once (content unique to ``nonce``)."""
     prompts = windows(trace, options, nonce)
     result = RunResult(target)
-    before = prefix_counters(target.root_url, options.api_key)
-    latency_before = histograms(metrics_text(target.root_url, options.api_key) or "")
+    page = metrics_text(target.root_url, options.api_key)
+    before, latency_before = prefix_counters(page), histograms(page or "")
     hook = jiuwen_hooks.install() if target.hooked else None
     try:
         if hook is not None and on_hook is not None:
@@ -438,11 +438,11 @@ def run(
     finally:
         if hook is not None:
             jiuwen_hooks.uninstall()
-    after = prefix_counters(target.root_url, options.api_key)
+    page = metrics_text(target.root_url, options.api_key)
+    after = prefix_counters(page)
     if before is not None and after is not None:
         result.server_hits = after[0] - before[0]
         result.server_queries = after[1] - before[1]
-    latency_after = histograms(metrics_text(target.root_url, options.api_key) or "")
-    result.server_latency = server_latency(latency_before, latency_after)
+    result.server_latency = server_latency(latency_before, histograms(page or ""))
     result.calls.sort(key=lambda c: c.index)
     return result

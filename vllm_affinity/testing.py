@@ -278,8 +278,7 @@ class VLLMServer(LoopbackServer):
         if self._process is None:
             raise RuntimeError("pin() needs a running server")
         self.pinned = _core_set(cores)
-        root = psutil.Process(self._process.pid)
-        for process in [root, *root.children(recursive=True)]:
+        for process in self._process_tree():
             try:
                 for thread in process.threads():
                     os.sched_setaffinity(thread.id, self.pinned)
@@ -338,6 +337,14 @@ class VLLMServer(LoopbackServer):
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def _process_tree(self) -> list[Any]:
+        """The running server's processes (psutil), its own first."""
+        import psutil
+
+        assert self._process is not None
+        root = psutil.Process(self._process.pid)
+        return [root, *root.children(recursive=True)]
+
     def cpu_seconds(self) -> float:
         """CPU time (user and system) the server's running processes have used so far: the
         API server, the engine core, the model worker (benchmarks compare it across runs)."""
@@ -346,8 +353,7 @@ class VLLMServer(LoopbackServer):
         if self._process is None:
             return 0.0
         total = 0.0
-        root = psutil.Process(self._process.pid)
-        for process in [root, *root.children(recursive=True)]:
+        for process in self._process_tree():
             try:
                 times = process.cpu_times()
             except (psutil.NoSuchProcess, ProcessLookupError):
