@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -360,7 +361,8 @@ class ReleaseService:
     async def stats(self) -> dict[str, Any]:
         engines = await self.call_engines("affinity_stats")
         self.metrics.update_engine_stats(engines)
-        return {"engines": engines, "api_server": self.metrics.api_counts()}
+        # "pid": which API server answered, where several share the port (counts are its own)
+        return {"engines": engines, "api_server": {"pid": os.getpid(), **self.metrics.api_counts()}}
 
 
 def _chat_request(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import httpx
 import openai
@@ -122,33 +123,59 @@ def _agent_call(server: VLLMServer, session: str, messages: list[dict[str, str]]
     return str(answer.json()["choices"][0]["message"]["content"] or "")
 
 
-def _api_server_verdicts(server: VLLMServer, asks: int = 16) -> list[dict[str, Any]]:
-    """Each API server's own verdict counts (``/affinity/stats`` answers with its process's),
-    asked on new connections until both answered."""
-    seen: dict[str, dict[str, Any]] = {}
-    for _ in range(asks):
-        with httpx.Client(timeout=30) as fresh:
-            own = fresh.get(server.root_url + "/affinity/stats").json()["api_server"]
-        verdicts = {k: v for k, v in own.items() if k.startswith("windows.")}
-        seen[repr(sorted(verdicts.items()))] = verdicts
-    return list(seen.values())
+def _api_server_verdicts(server: VLLMServer, asks: int = 64) -> dict[int, dict[str, int]]:
+    """Each API server's own verdict counts (``/affinity/stats`` answers with its process's,
+    ``pid`` naming it), asked on new connections, eight held open at a time, until both
+    answered."""
+    seen: dict[int, dict[str, int]] = {}
+    for _ in range(0, asks, 8):
+        with ExitStack() as stack:
+            clients = [stack.enter_context(httpx.Client(timeout=30)) for _ in range(8)]
+            for fresh in clients:
+                own = fresh.get(server.root_url + "/affinity/stats").json()["api_server"]
+                seen[own["pid"]] = {k: v for k, v in own.items() if k.startswith("windows.")}
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def _agent_session(server: VLLMServer, session: str) -> None:
+    """A turn, a tool loop, the compaction request, the new window."""
+    rng = random.Random(session)
+    system = {"role": "system", "content": filler_text(rng, 60)}
+    window = [system, {"role": "user", "content": filler_text(rng, 30)}]
+    for _ in range(3):
+        window.append({"role": "assistant", "content": _agent_call(server, session, window)})
+        window.append({"role": "user", "content": filler_text(rng, 20)})
+    _agent_call(server, session, [system, {"role": "user", "content": "the summary"}])
 
 
 def test_two_api_servers_judge_a_sessions_windows_as_one_does(
     data_parallel_server: VLLMServer,
 ) -> None:
     server = data_parallel_server
-    sessions = [f"agent-{i}" for i in range(6)]
     before = {v: server.metric("vllm_affinity_agent_windows_total", verdict=v) for v in VERDICTS}
     engines_before = server.affinity_stats()["engines"]
-    for session in sessions:  # a turn, a tool loop, the compaction request, the new window
-        rng = random.Random(session)
-        system = {"role": "system", "content": filler_text(rng, 60)}
-        window = [system, {"role": "user", "content": filler_text(rng, 30)}]
-        for _ in range(3):
-            window.append({"role": "assistant", "content": _agent_call(server, session, window)})
-            window.append({"role": "user", "content": filler_text(rng, 20)})
-        _agent_call(server, session, [system, {"role": "user", "content": "the summary"}])
+    verdicts_before = _api_server_verdicts(server)
+    # Six sessions side by side, each call on a new connection; another six while one API
+    # server has taken every call (the kernel hands a shared socket's connections to whichever
+    # process accepts first, and under load that can be one of them for a while).
+    sessions: list[str] = []
+    for batch in range(4):
+        names = [f"agent-{batch}-{i}" for i in range(6)]
+        with ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(lambda s: _agent_session(server, s), names))
+        sessions += names
+        per_process = _api_server_verdicts(server)
+        took = [
+            pid for pid, own in per_process.items()
+            if sum(own.values()) > sum(verdicts_before.get(pid, {}).values())
+        ]  # fmt: skip
+        if len(took) == 2:
+            break
+    # both API servers judged some windows: a rule kept per API server would have seen a
+    # session's later windows there as first ones
+    assert len(took) == 2, (per_process, verdicts_before)
     judged = {
         v: server.metric("vllm_affinity_agent_windows_total", verdict=v) - before[v]
         for v in VERDICTS
@@ -161,7 +188,3 @@ def test_two_api_servers_judge_a_sessions_windows_as_one_does(
         mine = sum(engine_rank(s, 2) == rank for s in sessions)
         grew = engine.get("releases_compaction", 0) - earlier.get("releases_compaction", 0)
         assert grew == mine  # each rewrite released on the engine that serves its session
-    # both API servers judged some of them: a rule kept per API server would have seen a
-    # session's later windows as first ones
-    per_process = _api_server_verdicts(server)
-    assert len(per_process) == 2, per_process
