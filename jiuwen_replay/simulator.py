@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.core.idle_guard import IdleGuard
-from vllm_affinity.core.returns import ReturnPredictor
+from vllm_affinity.core.returns import ReturnPredictor, swap_for
 
 from .returns import ReturnBets
 
@@ -122,6 +122,7 @@ class _Cache:
         self.idle: OrderedDict[int, None] = OrderedDict()
         self.owners: dict[int, set[str]] = {}
         self.latest: dict[str, list[int]] = {}
+        self.latest_set: dict[str, set[int]] = {}
         self.ids = itertools.count()
         self.now = 0
         self.evictions = 0  # cached blocks evicted so far: the idle guard's clock
@@ -181,11 +182,11 @@ class _Cache:
         assert self.returns is not None
         head = next(iter(self.order))
         spared = self._sole(head)
-        if spared is None:
-            return head
+        if spared is None or head not in self.latest_set[spared]:
+            return head  # shared, or no session's latest request holds it: LRU's (as the plugin)
         spared_due = self.returns.due(spared)
         for chosen in self.returns.back_last_first():
-            if self.returns.due(chosen) < spared_due:
+            if not swap_for(self.returns.due(chosen), spared_due):
                 return head
             victim = self._own_tail(chosen)
             if victim is None:
@@ -322,6 +323,7 @@ class _Cache:
         for b in blocks:
             self.owners.setdefault(b, set()).add(session)
         self.latest[session] = blocks
+        self.latest_set[session] = set(blocks)
         if session in self.last_call:
             self.gap[session] = self.gap_prior = self.now - self.last_call[session]
         self.last_call[session] = self.now

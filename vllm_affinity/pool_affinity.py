@@ -41,7 +41,7 @@ from .core.compaction import owner_of, retried_branch, side_branch
 from .core.counters import Counters
 from .core.groups import KVGroup
 from .core.idle_guard import IdleGuard
-from .core.returns import ReturnPredictor
+from .core.returns import ReturnPredictor, swap_for
 from .core.siblings import SiblingStarts
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
@@ -523,7 +523,7 @@ class PoolAffinity:
     def pick(self, lru: Any, position: int) -> Any:
         """The queue's picker (``core/returns.py``): where LRU's victim is a block one session
         alone holds, the deepest own live block of the session predicted back last instead,
-        unless that session is due back before the victim's."""
+        unless that session is due back before the victim's (``swap_for``)."""
         assert self.returns is not None
         if position == 0:  # a new pop: the candidates afresh
             self._victims, self._peeked = None, None
@@ -536,7 +536,7 @@ class PoolAffinity:
         while item is not None and self.queue.segment_of(item[1]) is not Segment.NORMAL:
             item = next(self._victims, None)  # taken by this pop already
         self._peeked = item
-        if item is None or item[0] < self.returns.due(spared):
+        if item is None or not swap_for(item[0], self.returns.due(spared)):
             return lru
         self._peeked = None
         if item[1] is not lru:

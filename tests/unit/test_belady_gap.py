@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jiuwen_replay.gap import CLASSES, call_class, classify
 from jiuwen_replay.returns import ReturnBets
 from jiuwen_replay.simulator import PREDICTORS, Request, hits_per_request, simulate
-from vllm_affinity.core.returns import SILENT_AFTER, ReturnPredictor
+from vllm_affinity.core.returns import BREAK, SILENT_AFTER, ReturnPredictor, swap_for
 
 B = 4
 
@@ -201,3 +201,35 @@ def test_a_forgotten_session_is_no_candidate_and_spared_as_unknown() -> None:
     returns.forget("child")
     assert "child" not in returns.back_last_first()
     assert returns.due("child") == float("-inf") and len(returns) == 1
+
+
+def test_a_session_back_from_a_break_is_due_in_its_usual_rhythm() -> None:
+    """An absence over ``BREAK`` times the longest of the session's earlier ones (a user back
+    from lunch, a trace replayed again under the same names) is a break: the session resumes
+    its rhythm, so it is due that bound after the call, not another break later. On a real
+    server a replay after two earlier ones computed 1,600 prompt tokens against vanilla's 1,536
+    without this rule, 1,536 with it."""
+    returns = ReturnPredictor()
+    for _ in range(3):  # a and b in turn: away 1 call each time
+        returns.called("a")
+        returns.called("b")
+    for i in range(50):
+        returns.called(f"other-{i}")
+    returns.called("a")  # back after 50 calls away
+    assert returns.due("a") == returns.now - 1 + BREAK * 2
+    returns.called("b")
+    returns.called("a")  # its rhythm again: the last absence rules
+    assert returns.due("a") == returns.now - 1 + 2
+    first = ReturnPredictor()
+    first.called("c")
+    for i in range(9):
+        first.called(f"x-{i}")
+    first.called("c")  # one absence only: nothing says it is a break
+    assert first.due("c") == first.now - 1 + 10
+
+
+def test_the_picker_swaps_for_a_session_due_later_or_as_late_but_not_between_two_gone() -> None:
+    assert swap_for(10, 5) and not swap_for(5, 10)
+    assert swap_for(7, 7)  # due together: the one that called last goes, not LRU's next caller
+    assert not swap_for(float("inf"), float("inf"))  # both gone: LRU's order
+    assert swap_for(float("inf"), 7) and swap_for(3, float("-inf"))

@@ -11,8 +11,19 @@ The prediction: the clock counts the requests the engine has seen. A session is 
 its last absence after its last call; one that is overdue, as long again as it has been away
 (the longer a session stays away, the longer it is likely to stay away). A session with no
 absence yet takes the last absence of any session. Other forms were worse in the simulator:
-an overdue session due again after its last absence, or never overdue. On a strict cycle of
-sessions this is Belady's choice.
+an overdue session due again after its last absence, or never overdue; the median of its last
+absences (56% of the LRU → Belady gap closed at 0.1x on the Claude Code trace, against 65%).
+On a strict cycle of sessions this is Belady's choice.
+
+A break is not a rhythm: an absence over ``BREAK`` times the longest of the session's four
+before it (a user back from lunch; on a test server, the same trace replayed under the same
+names) predicts that bound, not another break. Without it a session back from a break was
+evicted first while its tool loop resumed: a real replay after two others computed 1,600
+prompt tokens against vanilla's 1,536; with it, 1,536, and the simulator's gap is unchanged.
+
+The picker swaps LRU's victim for the chosen session's block when that session is due later or
+as late (``swap_for``): among sessions due together the one that called last goes, where LRU
+would take the one that called first. Two sessions that are both gone are left in LRU's order.
 
 A call that carried the agent's hint (``X-KV-Next-Use``: seconds until its session's next
 call) is due when the hint says, on the same clock: the predictor learns how many requests pass
@@ -43,6 +54,26 @@ from .hinted_rate import HintedRate
 
 #: How many hinted calls in a row make a session's unhinted call read as its last.
 SILENT_AFTER = 3
+#: The absences remembered per session, the last one included.
+ABSENCES = 5
+#: An absence longer than this many times the longest of the session's earlier ones is a
+#: break, not its rhythm: its next absence is taken as that bound.
+BREAK = 4
+
+
+def _next_absence(gaps: tuple[int, ...]) -> int:
+    """The session's last absence, unless it was a break (``BREAK``)."""
+    *earlier, last = gaps
+    return min(last, BREAK * max(earlier)) if earlier else last
+
+
+def swap_for(chosen_due: float, spared_due: float) -> bool:
+    """Whether to evict the chosen session's block instead of LRU's victim, whose session is
+    due ``spared_due``: when the chosen one is due later, or as late (among sessions due back
+    together, the one that called last goes first: LRU would take the one that called first,
+    on a cycle the next to call); never between two sessions that are both gone (``inf``),
+    where LRU's order is as good as any."""
+    return chosen_due > spared_due or (chosen_due == spared_due != float("inf"))
 
 
 @dataclass(slots=True)
@@ -52,7 +83,7 @@ class ReturnPredictor:
     max_sessions: int = 100_000
     now: int = 0
     _last: OrderedDict[str, int] = field(default_factory=OrderedDict)  # oldest call first
-    _gap: dict[str, int] = field(default_factory=dict)
+    _gaps: dict[str, tuple[int, ...]] = field(default_factory=dict)  # its last absences
     _prior: int = 1
     _hinted: dict[str, float] = field(default_factory=dict)  # the last call's hint, seconds
     _requests: HintedRate = field(default_factory=HintedRate)  # requests per hinted second
@@ -72,7 +103,8 @@ class ReturnPredictor:
         last = self._last.pop(session, None)
         hinted = self._hinted.pop(session, None)
         if last is not None:
-            self._gap[session] = self._prior = self.now - last
+            gap = self._prior = self.now - last
+            self._gaps[session] = (*self._gaps.get(session, ())[1 - ABSENCES :], gap)
             if hinted is not None:
                 self._requests.learn(self.now - last, hinted)
         if next_use is not None and next_use > 0:
@@ -92,7 +124,7 @@ class ReturnPredictor:
         """``session`` is over (a subagent's end): what it leaves cached is its family's now
         (the start its siblings share), not a session's that could be due back."""
         self._last.pop(session, None)
-        self._gap.pop(session, None)
+        self._gaps.pop(session, None)
         self._hinted.pop(session, None)
         self._hinted_run.pop(session, None)
         self._silent.discard(session)
@@ -107,7 +139,10 @@ class ReturnPredictor:
             return float("inf")
         hinted = self._hinted.get(session)
         ticks = None if hinted is None else self._requests.ticks(hinted)
-        due = last + (ticks if ticks is not None else self._gap.get(session, self._prior))
+        if ticks is None:
+            gaps = self._gaps.get(session)
+            ticks = self._prior if not gaps else _next_absence(gaps)
+        due = last + ticks
         return due if due >= self.now else self.now + (self.now - last)
 
     def back_last_first(self, limit: int = 64) -> list[str]:
