@@ -16,8 +16,9 @@ replay`` runs), the simulator beside it:
   (``X-KV-Next-Use``: a call whose subagents run next, or a tool call, keeps its session live; a
   finished turn or task makes it idle) (lifecycle);
 - ``lifecycle-gap``: the same, told instead each session's time to its next call in the trace;
-- ``predict``: ``lifecycle`` with the predicted-return picker on (``VLLM_AFFINITY_PREDICT_RETURN``;
-  ``agent-headers-predict`` the same for ``agent-headers``);
+- ``no-predict``: ``lifecycle`` with the predicted-return picker off
+  (``VLLM_AFFINITY_PREDICT_RETURN=false``; ``agent-headers-no-predict`` the same for
+  ``agent-headers``): the idle guard and LRU's order alone;
 - the subagent options of ``lifecycle`` one at a time (the hook names each subagent's parent):
   ``child-idle`` (a subagent's task end idles its blocks instead of releasing them),
   ``protect`` (a waiting parent's blocks in the PROTECTED segment, up to a quarter of the pool;
@@ -91,7 +92,7 @@ class Scenario:
     hooked: bool = True
 
 
-PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "true")
+NO_PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "false")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
@@ -107,14 +108,14 @@ SCENARIOS = (
         env=(("VLLM_AFFINITY_PROTECT_SHARE", "0.25"),),
     ),
     Scenario(
-        "predict", plugin=True, lifecycle=True, next_use="finish",
-        env=(PREDICT,),
+        "no-predict", plugin=True, lifecycle=True, next_use="finish",
+        env=(NO_PREDICT,),
     ),
     Scenario("no-parents", plugin=True, lifecycle=True, next_use="finish", parents=False),
     Scenario("agent-headers", plugin=True, lifecycle=True, next_use="finish", agent_headers=True),
     Scenario(
-        "agent-headers-predict", plugin=True, lifecycle=True, next_use="finish",
-        agent_headers=True, env=(PREDICT,),
+        "agent-headers-no-predict", plugin=True, lifecycle=True, next_use="finish",
+        agent_headers=True, env=(NO_PREDICT,),
     ),
     # no answer stops for AgentInfer 0.2: vLLM 0.32 ends a stop-string answer by aborting the
     # request in the engine, and AgentInfer's scheduler dies on any abort there (it expects
@@ -167,8 +168,6 @@ def run_scenario(
         summary["server_cpu_s"] = round(server.cpu_seconds() - cpu, 1)
         # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
         modelled = {**summary, "agent_headers": False} if scenario.peer else summary
-        picker = scenario.lifecycle and PREDICT in scenario.env
-        modelled = {**modelled, "predict_return": picker}
         check = simulated(trace, options, result, modelled, tokens)
     if check is not None:
         summary["simulator"] = check

@@ -243,6 +243,9 @@ class EngineStats(BaseModel):
     num_blocks: int = Field(ge=0)
     #: Per KV-cache group (one for Llama-style models).
     groups: list[GroupStats] = Field(default_factory=list)
+    #: The predicted-return picker reorders LRU's live victims (``VLLM_AFFINITY_PREDICT_RETURN``
+    #: with the lifecycle on); a replay's simulator models what the server runs.
+    predict_return: bool = False
 
     def counter(self, name: str) -> int:
         """A counter's value (0 until the engine counts it). An undeclared name raises: a typo

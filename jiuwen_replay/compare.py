@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -113,6 +114,19 @@ def pool_of(root_url: str, api_key: str) -> tuple[int, int] | None:
     return None
 
 
+def picker_on(root_url: str, api_key: str) -> bool:
+    """Whether the server's engines run the predicted-return picker (``/affinity/stats``;
+    False where the plugin does not answer)."""
+    try:
+        response = httpx.get(
+            root_url + "/affinity/stats", headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+        )
+        engines = response.json()["engines"] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+    return any(isinstance(e, dict) and e.get("predict_return") for e in engines)
+
+
 def tokenize(
     root_url: str, options: ReplayOptions, prompts: Sequence[list[dict[str, Any]]]
 ) -> list[tuple[int, ...]] | None:
@@ -172,8 +186,8 @@ def sim_requests(
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:
     policy = _policy_of(summary, options)
-    # the picker (VLLM_AFFINITY_PREDICT_RETURN, opt-in; off with the lifecycle) acts on the call
-    # order alone where no hint and no end says more
+    # the picker (VLLM_AFFINITY_PREDICT_RETURN, on as shipped; off with the lifecycle) acts on
+    # the call order alone where no hint and no end says more
     if summary.get("predict_return") and policy in ("lifecycle", "lru_release"):
         return "lifecycle+return-unguarded"
     return policy
@@ -209,6 +223,8 @@ def simulated(
     if tokens is None:
         return None
     capacity, block = pool
+    if "predict_return" not in summary:
+        summary = {**summary, "predict_return": picker_on(target.root_url, options.api_key)}
     requests = sim_requests(trace, options, tokens, hinted=target.hooked)
     in_order = [requests[i] for i in result.sent_order()]
     generated = options.max_output_tokens or 1
@@ -235,7 +251,8 @@ def compare(
 ) -> dict[str, Any]:
     """Every side once per round (first side alternating), summarised; see the module."""
     runs: list[dict[str, Any]] = []
-    nonce = 0
+    # content of each run's own, also against other replays on the same server (``nonce``)
+    nonce = secrets.randbelow(1 << 30) * 1024
     rendered: dict[str, list[tuple[int, ...]] | None] = {}  # per server, rendered once
     for round_index in range(rounds):
         order = list(targets) if round_index % 2 == 0 else list(reversed(targets))

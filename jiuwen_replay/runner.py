@@ -14,6 +14,7 @@ POST, or neither. Calls go through the ``openai`` SDK (Chat Completions) or the 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -415,8 +416,10 @@ def run(
     nonce: int = 0,
     on_hook: Callable[[jiuwen_hooks.Hook], None] | None = None,
 ) -> RunResult:
-    """Replay ``trace`` against ``target`` once (content unique to ``nonce``)."""
+    """Replay ``trace`` against ``target`` once (content unique to ``nonce``, session names
+    unique to this run: ``Trace.tagged``)."""
     prompts = windows(trace, options, nonce)
+    trace = trace.tagged(secrets.token_hex(3))
     result = RunResult(target)
     page = metrics_text(target.root_url, options.api_key)
     before, latency_before = prefix_counters(page), histograms(page or "")

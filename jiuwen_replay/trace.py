@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 Transition = Literal["first", "append", "same", "rewrite"]
@@ -78,6 +78,20 @@ class Trace:
             "transitions": dict(sorted(kinds.items())),
             **({"notes": self.notes} if self.notes else {}),
         }
+
+    def tagged(self, tag: str) -> Trace:
+        """The same requests, each session (and parent) named ``<session>#<tag>``: one run's
+        sessions, which a server that saw an earlier run of the trace does not take for that
+        run's sessions come back after a break (their content differs too: the run's nonce)."""
+        requests = tuple(
+            replace(
+                r,
+                session=f"{r.session}#{tag}",
+                parent=None if r.parent is None else f"{r.parent}#{tag}",
+            )
+            for r in self.requests
+        )
+        return Trace(self.format, self.block_tokens, requests, self.source, self.notes)
 
     def head(self, limit: int) -> Trace:
         """The first ``limit`` requests (a shorter run of the same trace)."""

@@ -98,16 +98,20 @@ class PoolAffinity:
         self._side_heads: OrderedDict[str, int] = OrderedDict()
         self.groups: tuple[KVGroup, ...] = ()
         self.tables: tuple[SessionBlocks, ...] = ()
+        # the picker is part of the session lifecycle: release-only mode is LRU's order; None:
+        # ``auto``, on until the groups say the model is hybrid (``attach_groups``)
+        self._picker = settings.predict_return if settings.lifecycle else False
+        self.returns: ReturnPredictor | None = None
         self.attach_groups((KVGroup(0, "full_attention", pool.hash_block_size),))
         self.subagents = Subagents(settings.max_sessions)
         self.siblings = SiblingStarts()
         self._child_end = settings.child_end
         self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
-        self.returns: ReturnPredictor | None = None
         self._victims: Iterator[tuple[float, Any]] | None = None
         self._peeked: tuple[float, Any] | None = None
-        # the picker is part of the session lifecycle: release-only mode is LRU's order
-        self.predict_returns(settings.predict_return and settings.lifecycle)
+        self.predict_returns(
+            self._picker is True or (self._picker is None and len(self.groups) == 1)
+        )
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, tuple[int, ...]] = {}
@@ -119,6 +123,8 @@ class PoolAffinity:
             raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
         self.groups = groups
         self.tables = tuple(SessionBlocks(self._max_sessions) for _ in groups)
+        if self._picker is None and len(groups) > 1:
+            self.predict_returns(False)  # ``auto`` on a hybrid model: LRU's order
         self._group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]
 
     @property
@@ -583,6 +589,7 @@ class PoolAffinity:
             sessions_evicted=self.sessions.evicted,
             num_blocks=self.pool.num_gpu_blocks,
             groups=self.group_stats(),
+            predict_return=self.returns is not None,
             **self.counters.as_dict(),
         )
 

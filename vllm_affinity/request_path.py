@@ -167,7 +167,7 @@ def next_use(path: RequestPath) -> None:
         service = path.service
         assert service is not None
         raise Refusal(str(exc), lambda: service.metrics.count_lifecycle("invalid")) from None
-    if path.next_use is not None and path.settings.predict_return:  # the picker's due date
+    if path.next_use is not None and path.settings.predict_return is not False:  # its due date
         path.request.vllm_xargs = {**(path.request.vllm_xargs or {}), NEXT_USE_KEY: path.next_use}
 
 

@@ -48,8 +48,10 @@ class Settings:
     #: keeps its cache. Off: every idle signal is acted on.
     idle_guard: bool = True
     #: Where LRU would evict a block one session alone holds, evict instead from the session
-    #: predicted back last (``core/returns.py``): closer to Belady at tight pools.
-    predict_return: bool = False
+    #: predicted back last (``core/returns.py``): closer to Belady at tight pools. ``None``
+    #: (``auto``): on for a model with one KV-cache group, off for a hybrid model (a replay
+    #: there computed one block more than vanilla: docs/decisions.md).
+    predict_return: bool | None = None
     #: Headers that name a request's session, first found wins (see
     #: ``core/session_headers.py``); a ``session_id`` in the body comes first either way.
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
@@ -89,7 +91,7 @@ class Settings:
             lifecycle=_flag(env, "VLLM_AFFINITY_LIFECYCLE", True),
             idle_after=_seconds(env, "VLLM_AFFINITY_IDLE_AFTER_S", 10.0),
             idle_guard=_flag(env, "VLLM_AFFINITY_IDLE_GUARD", True),
-            predict_return=_flag(env, "VLLM_AFFINITY_PREDICT_RETURN", False),
+            predict_return=_auto_flag(env, "VLLM_AFFINITY_PREDICT_RETURN"),
             release_on_divergence=_flag(env, "VLLM_AFFINITY_RELEASE_ON_DIVERGENCE", False),
             dp_session_affinity=_flag(env, "VLLM_AFFINITY_DP_SESSION_AFFINITY", True),
             max_sessions=_positive_int(env, "VLLM_AFFINITY_MAX_SESSIONS", 100_000),
@@ -142,6 +144,16 @@ def _header_list(env: Mapping[str, str], name: str) -> tuple[str, ...]:
         return parse_header_list(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def _auto_flag(env: Mapping[str, str], name: str) -> bool | None:
+    """``auto`` (or unset): ``None``, decided where the model is known; else a flag."""
+    raw = env.get(name)
+    if raw is None or raw.strip().lower() == "auto":
+        return None
+    if raw.strip().lower() not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={raw!r}: expected auto, true or false")
+    return _flag(env, name, False)
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

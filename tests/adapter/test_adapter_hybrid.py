@@ -86,6 +86,22 @@ def test_the_groups_are_read_from_the_coordinator() -> None:
     assert [g.kind for g in state_of(make_manager(8)).groups] == ["full_attention"]
 
 
+def test_the_picker_is_off_on_a_hybrid_model_unless_forced() -> None:
+    """``VLLM_AFFINITY_PREDICT_RETURN=auto`` (the default): the predicted-return picker runs on a
+    model with one KV-cache group and leaves a hybrid model's pool to LRU's order (a
+    gpt-oss-shaped replay computed one block more than vanilla with it); ``true`` forces it."""
+    from vllm_affinity.pool_affinity import PoolAffinity
+    from vllm_affinity.settings import Settings
+
+    assert state_of(make_manager(8)).stats().predict_return
+    hybrid = make_hybrid_manager(64, [sliding(), full()])
+    assert not state_of(hybrid).stats().predict_return
+    forced = PoolAffinity(hybrid.block_pool, Settings(predict_return=True))
+    forced.attach_groups(state_of(hybrid).groups)
+    assert forced.stats().predict_return
+    assert not PoolAffinity(hybrid.block_pool, Settings(lifecycle=False)).stats().predict_return
+
+
 def test_sliding_window_blocks_that_left_the_window_stay_the_sessions() -> None:
     """vLLM frees a sliding-window block once it leaves the window (still cached): the
     session's record keeps it, so a release or an idle reaches it."""

