@@ -112,7 +112,7 @@ def test_predictors_stay_within_bounds(
 
 def test_return_predictor_learns_absences_and_grows_overdue_ones() -> None:
     returns = ReturnPredictor()
-    assert returns.due("a") == float("-inf")
+    assert returns.due("a") == float("inf")  # not known: LRU's order
     for session in ("a", "b", "c", "a"):  # a: away 3 calls
         returns.called(session)
     assert returns.now == 4
@@ -127,7 +127,7 @@ def test_return_predictor_learns_absences_and_grows_overdue_ones() -> None:
     bounded = ReturnPredictor(max_sessions=2)
     for session in ("s1", "s2", "s3"):
         bounded.called(session)
-    assert len(bounded) == 2 and bounded.due("s1") == float("-inf")
+    assert len(bounded) == 2 and bounded.due("s1") == float("inf")
     with pytest.raises(ValueError):
         ReturnPredictor(max_sessions=0)
 
@@ -192,15 +192,19 @@ def test_a_session_that_hinted_every_call_and_then_falls_silent_is_not_due_back(
     assert sporadic.due("s") < float("inf")
 
 
-def test_a_forgotten_session_is_no_candidate_and_spared_as_unknown() -> None:
+def test_a_forgotten_session_is_no_candidate_and_left_in_lrus_order() -> None:
     """A subagent's end (``PoolAffinity._end_child``): what it keeps belongs to its family, so
-    the picker neither evicts from it as a session due back late nor knows when it is due."""
+    the picker neither evicts from it as a session due back late nor spares it: its blocks go
+    in LRU's order, as on vanilla. Spared as a session due back first (the form before), an
+    ended subagent's kept start outlived every live session's blocks: on the Claude Code
+    trace at 0.1x the real server computed 62,424 prompt tokens, 61,688 without the pin."""
     returns = ReturnPredictor()
     for session in ("child", "lead", "child"):
         returns.called(session)
     returns.forget("child")
     assert "child" not in returns.back_last_first()
-    assert returns.due("child") == float("-inf") and len(returns) == 1
+    assert returns.due("child") == float("inf") and len(returns) == 1
+    assert not swap_for(returns.due("lead"), returns.due("child"))  # LRU's victim goes
 
 
 def test_a_session_back_from_a_break_is_due_in_its_usual_rhythm() -> None:

@@ -130,12 +130,10 @@ class ReturnPredictor:
         self._silent.discard(session)
 
     def due(self, session: str) -> float:
-        """When ``session`` is expected to call again (``-inf`` when it is not known: nothing
-        says it is back late; ``inf`` when it fell silent: not at all)."""
+        """When ``session`` is expected to call again (``inf`` when it fell silent or is not
+        known: not at all, so its blocks stay in LRU's order, ``swap_for``)."""
         last = self._last.get(session)
-        if last is None:
-            return float("-inf")
-        if session in self._silent:
+        if last is None or session in self._silent:
             return float("inf")
         hinted = self._hinted.get(session)
         ticks = None if hinted is None else self._requests.ticks(hinted)
