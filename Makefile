@@ -158,9 +158,9 @@ demo: $(MODEL) $(if $(filter llama,$(ARCH)),,.cache/tiny-$(ARCH)/jiuwen-recipe.j
 	$(PY) -m examples.demo --arch $(ARCH)
 
 ## test: lint, then the whole test suite (client, frameworks, core, adapter on real vLLM classes,
-## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, two
-## replicas behind nginx, the real Claude Code, Codex CLI, opencode, Qwen Code and aider), then the
-## llama-index integration in its own virtualenv
+## end to end, the real openJiuwen clients 0.1.19 and 0.1.16 in virtualenvs of their own, the
+## real Claude Code, Codex CLI, opencode, Qwen Code and aider), then the llama-index integration
+## in its own virtualenv (the minutes-long runs are ``make test-long``'s)
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
 	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(HYBRID_MODELS) $(AGENTS) \
@@ -175,8 +175,9 @@ test:
 test-vllm-next: $(VLLM_NEXT_DIR)/.extracted
 	PYTHONPATH=$(VLLM_NEXT_DIR) JIUWEN_EXPECT_VLLM=$(VLLM_NEXT) $(PY) -m pytest -q -p no:cacheprovider tests/adapter
 
-## test-long: the minutes-long runs make test skips (the 150 s soak, two replicas behind nginx)
-test-long: $(MODEL) debian-tools
+## test-long: the minutes-long runs make test skips (the 150 s soak; two replicas behind nginx,
+## with the hook and with Claude Code and the Codex CLI)
+test-long: $(MODEL) $(AGENTS) debian-tools
 	JIUWEN_LONG=1 $(PY) -m pytest -m long
 
 ## test-bench: the benchmark scripts' own pipeline runs (servers of their own; ~5 minutes)

@@ -55,7 +55,7 @@ def clean_hook() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` (the soak, the two-replica fleet) run with ``JIUWEN_LONG=1``
+    """Tests marked ``long`` (the soak, the two-replica fleets) run with ``JIUWEN_LONG=1``
     (``make test-long``) and are skipped otherwise, to keep ``make test`` under 20 minutes."""
     if os.environ.get("JIUWEN_LONG"):
         return

@@ -1,15 +1,20 @@
 """Claude Code and the Codex CLI, unmodified, behind the printed nginx configuration in front of
 two plugin replicas: every session stays on one replica though neither agent sends
-``X-Session-ID``, and a killed replica moves only its own sessions."""
+``X-Session-ID``, and a killed replica moves only its own sessions. A minutes-long run of two
+replicas and the agents' own binaries: ``make test-long``."""
 
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
 
+import pytest
+
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 
 from .conftest import MODEL_PATHS, AgentsFleet, ClaudeCode, CodexCli, claude_code_via, codex_via
+
+pytestmark = pytest.mark.long
 
 
 def test_agent_sessions_stay_on_one_replica_and_move_only_when_theirs_dies(
