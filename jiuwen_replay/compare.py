@@ -23,7 +23,7 @@ from vllm_affinity.core.lifecycle import ends_task
 
 from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, metrics_text, run, windows
 from .simulator import CapacityError, Request, simulate
-from .trace import Trace, next_call_gaps, next_use_hints
+from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 
 
 def say(text: str) -> None:
@@ -102,13 +102,15 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 
 def pool_of(root_url: str, api_key: str) -> tuple[int, int] | None:
-    """(KV blocks, block size) from vLLM's ``cache_config_info`` metric, where it answers."""
+    """(KV blocks a cache can use, block size) from vLLM's ``cache_config_info`` metric, where
+    it answers. ``num_gpu_blocks`` counts the null block, which vLLM's ``BlockPool`` takes
+    for itself at start and never caches: one block fewer hold prompts."""
     text = metrics_text(root_url, api_key)
     for line in (text or "").splitlines():
         if line.startswith("vllm:cache_config_info{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             try:
-                return int(labels["num_gpu_blocks"]), int(labels["block_size"])
+                return int(labels["num_gpu_blocks"]) - 1, int(labels["block_size"])
             except (KeyError, ValueError):
                 return None
     return None
@@ -155,7 +157,7 @@ def finishes(trace: Trace, options: ReplayOptions) -> list[str]:
     gaps = next_call_gaps(trace.requests)
     out = []
     for request, hint, gap in zip(trace.requests, hints, gaps, strict=True):
-        subagent = options.parents and request.parent not in (None, request.session)
+        subagent = parent_of(request, options) is not None
         if gap is None and options.end_sessions:
             out.append("end")
         elif hint is not None and hint >= IDLE_AFTER_S:
@@ -179,9 +181,15 @@ def sim_requests(
     hints = next_use_hints(trace.requests, options.next_use, IDLE_AFTER_S, options.speed)
     prompts = tokens if tokens is not None else [tuple(r.blocks) for r in trace.requests]
     return [
-        Request(r.session, t, f, r.at, hint if hinted else None)
+        Request(r.session, t, f, r.at, hint if hinted else None, parent_of(r, options))
         for r, t, f, hint in zip(trace.requests, prompts, ended, hints, strict=True)
     ]
+
+
+def parent_of(request: TraceRequest, options: ReplayOptions) -> str | None:
+    """The parent the plugin learns for a call: the hook names it (``options.parents``)."""
+    named = options.parents and request.parent not in (None, request.session)
+    return request.parent if named else None
 
 
 def policy_of(summary: dict[str, Any], options: ReplayOptions) -> str:

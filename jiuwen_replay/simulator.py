@@ -94,6 +94,8 @@ class Request:
     at: float = 0.0
     #: The agent's ``X-KV-Next-Use`` hint, seconds (the idle guard weighs it), if it sent one.
     next_use: float | None = None
+    #: The session that started this one (a subagent's parent), where the client named it.
+    parent: str | None = None
 
 
 def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
@@ -132,6 +134,10 @@ class _Cache:
         self.gap: dict[str, int] = {}  # and its last absence, in calls
         self.gap_prior = 1  # the last absence of any session
         self.returns = ReturnPredictor() if policy in _RETURN else None
+        # with the picker: a parent waiting on its subagents idles behind a guard of its own
+        self.wait_guard = IdleGuard() if policy in _RETURN else None
+        self.running: dict[str, set[str]] = {}  # waiting parent → its running children
+        self.parent_of: dict[str, str] = {}  # running child → its parent
         self.bets = ReturnBets() if policy == "lifecycle+return" else None
         self.uses: dict[int, list[int]] = {}
         if policy == "belady" or policy in _ORDERED_IDLE:
@@ -247,6 +253,8 @@ class _Cache:
         """The lifecycle policy's signal: how the session's request ended (and its hint)."""
         if self.policy not in _LIFECYCLE:
             return
+        if finish == "end" and session in self.parent_of:
+            self._child_ended(session)
         if finish == "end":
             self.release(session, 0)
         elif self.policy == "lifecycle+reach":  # every end, as the engine sees it
@@ -274,6 +282,35 @@ class _Cache:
                 del self.order[b]
                 self.idle[b] = None
 
+    def _family_call(self, session: str, parent: str | None) -> None:
+        """As the plugin's ``Subagents``: a parent's call ends its wait; a child's first call
+        starts its parent's, whose blocks go to IDLE when its wait guard finds it worth it
+        (``PoolAffinity._idle_waiting``)."""
+        for child in self.running.pop(session, ()):
+            self.parent_of.pop(child, None)
+        if parent is None or parent == session or session in self.parent_of:
+            return
+        self.parent_of[session] = parent
+        first = parent not in self.running
+        self.running.setdefault(parent, set()).add(session)
+        if first and not (self.returns is not None and self.returns.hinted(parent)):
+            self.idle_session(parent, self.wait_guard)
+
+    def _child_ended(self, child: str) -> None:
+        """A subagent ended its task: when it was its parent's last, the parent is due now,
+        and its idle blocks go back to the most-recently-used end of the live ones
+        (``PoolAffinity._unprotect``)."""
+        parent = self.parent_of.pop(child)
+        children = self.running.get(parent, set())
+        children.discard(child)
+        if children:
+            return
+        self.running.pop(parent, None)
+        for b in self.latest.get(parent, []):
+            if b in self.idle:
+                del self.idle[b]
+                self.order[b] = None
+
     def request(
         self,
         session: str,
@@ -281,12 +318,15 @@ class _Cache:
         tokens: int,
         generated: int,
         next_use: float | None = None,
+        parent: str | None = None,
     ) -> int:
-        """Serve one request (``next_use``: its hint); returns the number of prompt tokens
-        hit."""
-        for guard in (self.guard, self.loop_guard):
+        """Serve one request (``next_use``: its hint; ``parent``: the session that started
+        it); returns the number of prompt tokens hit."""
+        for guard in (self.guard, self.loop_guard, self.wait_guard):
             if guard is not None:
                 guard.came_back(session, self.evictions)
+        if self.wait_guard is not None:
+            self._family_call(session, parent)
         if self.returns is not None:
             self.returns.called(session, next_use)
         if self.bets is not None:
@@ -378,7 +418,12 @@ def hits_per_request(
             if stale < len(before):  # rewritten, not appended: release the stale tail
                 cache.release(request.session, stale // block)
         served = cache.request(
-            request.session, request_hashes, len(request.tokens), generated, request.next_use
+            request.session,
+            request_hashes,
+            len(request.tokens),
+            generated,
+            request.next_use,
+            request.parent,
         )
         hits.append(served)
         cache.finished(request.session, request.finish, request.next_use)

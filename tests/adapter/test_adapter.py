@@ -590,6 +590,47 @@ def test_the_picker_evicts_first_the_session_whose_hint_says_it_is_back_last() -
     assert_no_leak(manager)
 
 
+def test_a_lead_waiting_on_its_subagent_goes_first_once_its_waits_outlast_lrus_reach() -> None:
+    """With the picker on, a lead whose subagent starts gives its own blocks up first (IDLE)
+    once an earlier wait of its outlasted LRU's reach (its wait guard's evidence), and takes
+    them back when its subagent ends its task; its first wait, with no evidence, is not acted
+    on. A hinted lead is left to the picker."""
+    from vllm_affinity.engine import NEXT_USE_KEY, PARENT_KEY
+
+    manager = make_manager(16)  # 15 usable
+    state = state_of(manager)
+    state.predict_returns(True)
+    queue = manager.block_pool.free_block_queue
+
+    def call(session: str, start: int, n_blocks: int, **extra: Any) -> None:
+        params = SamplingParams(max_tokens=4, extra_args=extra or None)
+        request = make_request([*tokens(start, n_blocks), 1], session, sampling_params=params)
+        state.on_new_request(request, release_on_divergence=False)
+        run_prefill(manager, request)
+        manager.free(request)
+
+    def wait(child: str, squeeze: int) -> tuple[int, int]:
+        """The lead's subagent runs (``squeeze`` blocks of other work meanwhile) and ends:
+        (the lead's blocks idled while it waited, IDLE blocks left after the end)."""
+        call("lead", 0, 3)
+        call(child, 5000, 1, **{PARENT_KEY: "lead"})
+        idled = state.stats().blocks_idled_waiting
+        call(f"work-{child}", 9000 + 100 * squeeze, squeeze)
+        state.idle_session(child)  # its task ended
+        return idled, queue.segment_sizes()["idle"]
+
+    assert wait("first", 14) == (0, 0)  # no evidence yet: LRU's order
+    assert state.stats().waits_idled == 0
+    idled, left = wait("second", 2)  # its first wait outlasted LRU's reach
+    assert (idled, left) == (3, 0), (idled, left)  # the lead's 3 own blocks, then back
+    assert state.stats().waits_idled == 1
+    call("lead", 0, 3, **{NEXT_USE_KEY: 30.0})  # the lead says when it is back
+    call("third", 7000, 1, **{PARENT_KEY: "lead"})
+    assert state.stats().waits_idled == 1 and queue.segment_sizes()["idle"] == 0
+    assert state.check(idle=True) == []
+    assert_no_leak(manager)
+
+
 def test_the_picker_leaves_a_block_of_no_session_to_lru() -> None:
     """LRU's victim that no session alone holds (here: a request of no session) is taken as
     LRU takes it: the picker only reorders sessions' own blocks."""

@@ -216,3 +216,35 @@ def test_the_idle_guard_keeps_idling_a_session_that_stays_away() -> None:
     lru = _hits(trace, 24, "lru")
     assert _hits(trace, 24, "lifecycle") > lru
     assert _hits(trace, 24, "lifecycle") <= _hits(trace, 24, "lifecycle", guard=False)
+
+
+def test_a_waiting_lead_idles_once_its_waits_outlast_lrus_reach_and_is_back_at_its_end() -> None:
+    """The picker's simulator, as the plugin (``PoolAffinity._idle_waiting``): a lead's own
+    blocks go to IDLE when its subagent starts, once an earlier wait of its outlasted LRU's
+    reach, and back to the live ones when the subagent ends its task; a child named by no
+    parent changes nothing."""
+    from jiuwen_replay.simulator import _Cache, block_hashes
+
+    def wait(cache: _Cache, child: str, squeeze: int, parent: str | None = "L") -> int:
+        """The lead calls, its subagent runs while ``squeeze`` blocks of other work come, and
+        ends: the lead's blocks that were IDLE while it waited."""
+        lead = seq(0, 3)
+        cache.request("L", block_hashes(lead, B), len(lead), 1)
+        task = seq(5000 + 100 * squeeze, 1)
+        cache.request(child, block_hashes(task, B), len(task), 1, parent=parent)
+        idled = sum(b in cache.idle for b in cache.latest["L"])
+        work = seq(9000 + 100 * squeeze, squeeze)
+        cache.request(f"work-{child}", block_hashes(work, B), len(work), 1)
+        cache.finished(child, "end")
+        assert not cache.idle.keys() & set(cache.latest["L"])  # back with the live ones
+        return idled
+
+    cache = _Cache(16, "lifecycle+return-unguarded", [], B, idle_guard=True)
+    assert wait(cache, "first", 14) == 0  # no evidence yet
+    # the first wait outlasted LRU's reach: the lead's 3 blocks went IDLE, and the first of
+    # them (its tail) was already reused by its subagent's own call
+    assert wait(cache, "second", 2) == 2
+    unnamed = _Cache(16, "lifecycle+return-unguarded", [], B, idle_guard=True)
+    assert [wait(unnamed, child, n, parent=None) for child, n in (("a", 14), ("b", 2))] == [0, 0]
+    lru = _Cache(16, "lru", [], B, idle_guard=True)
+    assert [wait(lru, child, n) for child, n in (("a", 14), ("b", 2))] == [0, 0]

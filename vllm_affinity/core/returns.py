@@ -129,6 +129,10 @@ class ReturnPredictor:
         self._hinted_run.pop(session, None)
         self._silent.discard(session)
 
+    def hinted(self, session: str) -> bool:
+        """Whether ``session``'s last call said when it is back (a hint of more than 0 s)."""
+        return session in self._hinted
+
     def due(self, session: str) -> float:
         """When ``session`` is expected to call again (``inf`` when it fell silent or is not
         known: not at all, so its blocks stay in LRU's order, ``swap_for``)."""
