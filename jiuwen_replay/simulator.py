@@ -43,7 +43,9 @@ from Belady (``benchmarks/belady_gap.py`` compares them; ``docs/decisions.md``):
   (``vllm_affinity/core/returns.py``): only where LRU's victim is a block one session alone
   holds, a block of the session due back last (its own, tail first) goes instead;
   ``lifecycle+return`` does so only while a guard of bets against LRU's choice trusts it
-  (``jiuwen_replay/returns.py``).
+  (``jiuwen_replay/returns.py``). Both idle a parent that waits on its subagents (a request's
+  ``parent``) behind a wait guard of its own, as the plugin with its picker does, and put its
+  blocks back with the live ones when its last subagent ends.
 
 Requests are processed one at a time, as the benchmark replays them. Hits follow vLLM's rules:
 the longest prefix of full blocks found in the cache, at most ``(prompt_tokens - 1) // block``
