@@ -313,18 +313,11 @@ class PoolAffinity:
                 )
         selections = [table.select_idle(session) for table in self.tables]
         status = selections[0].status
-        if status == "ok" and not self._worth_idling(session, next_use):
+        if status == "ok" and not self._worth_idling(self.idle_guard, session, next_use):
             self.counters.add("idles_returns_soon", 1)
             return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
-        blocks, moved = self.pool.blocks, 0
-        for counts, selection in zip(self._group_counts, selections, strict=True):
-            group_moved = sum(
-                self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids
-            )
-            counts["blocks_idled"] += group_moved
-            moved += group_moved
+        moved = self._move_to_idle(selections)
         self.counters.add(f"idles_{status}", 1)
-        self.counters.add("blocks_idled", moved)
         return EngineIdle(
             status=status,
             blocks_idled=moved,
@@ -355,9 +348,21 @@ class PoolAffinity:
         end = head // self.pool.hash_block_size
         return ("instructions", chain[end - 1]) if 0 < end <= len(chain) else ("parent", parent)
 
-    def _worth_idling(self, session: str, next_use: float | None) -> bool:
-        """The idle guard's verdict (``core/idle_guard.py``), noting the absence it starts."""
-        guard = self.idle_guard
+    def _move_to_idle(self, selections: Sequence[ReleaseSelection]) -> int:
+        """Idle every group's selected blocks (one selection per group); how many moved."""
+        blocks, moved = self.pool.blocks, 0
+        for counts, selection in zip(self._group_counts, selections, strict=True):
+            group_moved = sum(
+                self.queue.idle(blocks[b]) is IdleResult.MOVED for b in selection.block_ids
+            )
+            counts["blocks_idled"] += group_moved
+            moved += group_moved
+        self.counters.add("blocks_idled", moved)
+        return moved
+
+    def _worth_idling(self, guard: IdleGuard | None, session: str, next_use: float | None) -> bool:
+        """``guard``'s verdict (``core/idle_guard.py``; none: always), noting the absence it
+        starts."""
         if guard is None:
             return True
         worth = guard.worth_idling(session, next_use)
@@ -367,11 +372,9 @@ class PoolAffinity:
     def _apply_family(self, change: FamilyChange) -> None:
         for parent in change.unprotect:
             self._unprotect(parent)
-        parent = change.protect
-        if parent is not None and self.protect_cap > 0:
-            self._protect(parent)
-        elif parent is not None:
-            self._idle_waiting(parent)
+        if change.protect is not None:
+            waiting = self._protect if self.protect_cap > 0 else self._idle_waiting
+            waiting(change.protect)
 
     def _idle_waiting(self, parent: str) -> None:
         """With the picker on: a parent that waits on its first running subagent gives its own
@@ -385,14 +388,9 @@ class PoolAffinity:
         guard, returns = self.wait_guard, self.returns
         if guard is None or returns is None or returns.hinted(owner_of(parent)):
             return
-        worth = guard.worth_idling(parent)
-        guard.went_idle(parent, self.queue.cached_reused, self.queue.num_cached)
-        if not worth:
+        if not self._worth_idling(guard, parent, None):
             return
-        blocks, moved = self.pool.blocks, 0
-        for table in self.tables:
-            for block_id in table.select_idle(parent).block_ids:
-                moved += self.queue.idle(blocks[block_id]) is IdleResult.MOVED
+        moved = self._move_to_idle([table.select_idle(parent) for table in self.tables])
         self.counters.add("waits_idled", 1)
         self.counters.add("blocks_idled_waiting", moved)
 
@@ -569,13 +567,16 @@ class PoolAffinity:
         spared = next((s for t in self.tables if (s := t.sole_holder(lru.block_id))), None)
         if spared is None:
             return lru
+        spared_due = self.returns.due(spared)
+        if spared_due == float("inf"):  # gone or not known: no swap (``swap_for``), no stream
+            return lru
         if self._victims is None:
             self._victims = self._victim_stream()
         item = self._peeked or next(self._victims, None)
         while item is not None and self.queue.segment_of(item[1]) is not Segment.NORMAL:
             item = next(self._victims, None)  # taken by this pop already
         self._peeked = item
-        if item is None or not swap_for(item[0], self.returns.due(spared)):
+        if item is None or not swap_for(item[0], spared_due):
             return lru
         self._peeked = None
         if item[1] is not lru:

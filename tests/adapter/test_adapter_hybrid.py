@@ -150,6 +150,30 @@ def test_an_idle_session_idles_every_group() -> None:
     assert state.queue.segment_sizes()["idle"] == 12
 
 
+def test_a_waiting_leads_idle_and_its_return_act_on_every_group() -> None:
+    """With the picker forced on a hybrid model, a lead whose subagent starts idles its blocks
+    in both groups (once its wait guard has seen a wait outlast LRU's reach), and its
+    subagent's end puts them all back."""
+    from vllm_affinity.engine import PARENT_KEY
+
+    manager = make_hybrid_manager(64, [sliding(), full()])
+    finished_turn(manager, tokens(0, 4), "lead")
+    state = state_of(manager)
+    state.predict_returns(True)
+    assert state.wait_guard is not None
+    state.wait_guard.went_idle("lead", 0, 1)
+    state.wait_guard.came_back("lead", 5)  # its last wait: five times LRU's reach
+    params = SamplingParams(max_tokens=4, extra_args={PARENT_KEY: "lead"})
+    child = make_request(tokens(5000, 1), session="sub", sampling_params=params)
+    state.on_new_request(child, release_on_divergence=False)
+    assert [g.blocks_idled for g in state.group_stats()] == [4, 4]
+    assert state.queue.segment_sizes()["idle"] == 8
+    assert state.stats().blocks_idled_waiting == 8
+    state.idle_session("sub")  # its task ended: the lead is due
+    assert state.queue.segment_sizes()["idle"] == 0
+    assert not state.check(idle=True)
+
+
 def test_a_post_release_acts_on_every_group() -> None:
     manager = make_hybrid_manager(64, [sliding(), full()])
     old = tokens(0, 6)
