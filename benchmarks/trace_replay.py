@@ -7,6 +7,8 @@ that size and replays the trace with ``jiuwen_replay`` (what ``vllm-affinity ben
 replay`` runs), the simulator beside it:
 
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
+- ``vanilla-hooked``: vLLM without the plugin, the hook installed (it finds no plugin and
+  releases nothing): what installing the hook costs a client where the plugin is absent;
 - ``release``: the plugin with its lifecycle off, the hook releasing in the request (LRU +
   release);
 - ``plugin-untold``: the plugin as shipped, no hook and no agent headers: nothing tells it a
@@ -88,13 +90,21 @@ class Scenario:
     agent_headers: bool = False
     #: Another system's server instead of ours (``benchmarks/peers.py``)
     peer: str = ""
-    #: The hook runs in front of the plugin (off: a client that tells the plugin nothing)
-    hooked: bool = True
+    #: The hook runs in the client (``None``: where the plugin serves; ``False`` on the plugin:
+    #: a client that tells it nothing; ``True`` on vanilla: what installing it costs there)
+    hooked: bool | None = None
+
+
+def is_hooked(scenario: Scenario) -> bool:
+    if scenario.agent_headers:
+        return False
+    return scenario.plugin if scenario.hooked is None else scenario.hooked
 
 
 NO_PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "false")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
+    Scenario("vanilla-hooked", plugin=False, lifecycle=False, hooked=True),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
     Scenario("plugin-untold", plugin=True, lifecycle=True, hooked=False),
     Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
@@ -159,7 +169,7 @@ def run_scenario(
     ) as server:  # fmt: skip
         target = Target(
             scenario.name, server.base_url,
-            hooked=scenario.plugin and scenario.hooked and not scenario.agent_headers,
+            hooked=is_hooked(scenario),
             agent_headers=scenario.agent_headers,
         )  # fmt: skip
         cpu = server.cpu_seconds()

@@ -159,6 +159,7 @@ def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
     assert plugin.engine_stats()["released_reused"] > 0
 
 
+@pytest.mark.long  # about a minute on two cores: ``make test-long``
 def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
     gpt_oss_pair: tuple[VLLMServer, VLLMServer],
     tmp_path: Path,
