@@ -7,8 +7,8 @@ that size and replays the trace with ``jiuwen_replay`` (what ``vllm-affinity ben
 replay`` runs), the simulator beside it:
 
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
-- ``vanilla-hooked``: vLLM without the plugin, the hook installed (it finds no plugin and
-  releases nothing): what installing the hook costs a client where the plugin is absent;
+- ``vanilla-hooked``: vLLM without the plugin, the hook installed (it finds no plugin;
+  no release is applied): what installing the hook costs where the plugin is absent;
 - ``release``: the plugin with its lifecycle off, the hook releasing in the request (LRU +
   release);
 - ``plugin-untold``: the plugin as shipped, no hook and no agent headers: nothing tells it a

@@ -59,7 +59,7 @@ def assert_every_group_released(compaction: Compaction) -> None:
 @pytest.fixture(scope="module")
 def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """A tight pool of the gpt-oss shape, with and without the plugin, started side by side:
-    the squeeze and the replay (this module's first tests)."""
+    the squeeze and (``make test-long``) the replay, this module's first tests."""
     plugin = hybrid_vllm("gpt-oss", num_blocks=160, max_model_len=2816)
     vanilla = hybrid_vllm("gpt-oss", plugin=False, num_blocks=160, max_model_len=2816)
     with ExitStack() as stack:
