@@ -58,7 +58,7 @@ from typing import Any
 
 from benchmarks.agent_trace import TraceConfig, generate_timed
 from benchmarks.peers import AGENTINFER_ARGS, agentinfer_launcher
-from jiuwen_replay.compare import say, simulated, summarize, tokenize
+from jiuwen_replay.compare import paired_ttft, say, simulated, summarize, tokenize
 from jiuwen_replay.formats import (
     FORMATS,
     WRITERS,
@@ -68,7 +68,7 @@ from jiuwen_replay.formats import (
     write_project,
 )
 from jiuwen_replay.output import named, write_outputs
-from jiuwen_replay.runner import ReplayOptions, Target, run, windows
+from jiuwen_replay.runner import CallRecord, ReplayOptions, Target, run, windows
 from jiuwen_replay.simulator import Request, working_set
 from jiuwen_replay.synthetic import SyntheticConfig, generate
 from jiuwen_replay.trace import Trace, TraceRequest
@@ -155,7 +155,8 @@ def run_scenario(
     tokens: list[tuple[int, ...]],
     cores: str,
     model: str | None = None,
-) -> dict[str, Any]:
+    calls_out: Path | None = None,
+) -> tuple[dict[str, Any], list[CallRecord]]:
     env = {
         "VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false",
         **dict(scenario.env),
@@ -174,6 +175,8 @@ def run_scenario(
         )  # fmt: skip
         cpu = server.cpu_seconds()
         result = run(trace, target, options, nonce=1)
+        if calls_out is not None:
+            write_calls(calls_out, result.calls)
         summary = summarize(result)
         summary["server_cpu_s"] = round(server.cpu_seconds() - cpu, 1)
         # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
@@ -188,7 +191,21 @@ def run_scenario(
         f"(server mean {(summary.get('server') or {}).get('ttft_ms_mean')} ms, "
         f"before the wire p90 {summary['pre_send_ms_p90']} ms)"
     )
-    return summary
+    return summary, result.calls
+
+
+def write_calls(path: Path, calls: list[CallRecord]) -> None:
+    """One JSON line per call (its TTFT, prompt and cached tokens, times): for analyses the
+    summary does not make."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for call in calls:
+            out.write(json.dumps(dataclasses.asdict(call)) + "\n")
+
+
+def run_name(scenario: Scenario, round_: int) -> str:
+    """A run's key in the report: the scenario's name, ``#k`` from the second round on."""
+    return scenario.name if round_ == 1 else f"{scenario.name}#{round_}"
 
 
 def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
@@ -211,12 +228,35 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         blocks = max(math.ceil(fraction * working), longest + 1) + 1
         say(f"  pool {fraction}x of {working} blocks: {blocks} blocks")
         pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
-        for round_ in range(1, args.rounds + 1):  # alternating: the machine's drift hits all
-            for scenario in scenarios(args.scenarios):
-                name = scenario.name if round_ == 1 else f"{scenario.name}#{round_}"
-                pool["scenarios"][name] = run_scenario(
-                    trace, scenario, blocks, options, tokens, args.cores, args.model
+        first_vanilla: list[CallRecord] | None = None
+        for round_ in range(1, args.rounds + 1):
+            # ABBA: every other round runs the scenarios in reverse, so the machine's drift
+            # over a run favours no side
+            order = scenarios(args.scenarios)
+            order = order if round_ % 2 else order[::-1]
+            calls: dict[str, list[CallRecord]] = {}
+            for scenario in order:
+                name = run_name(scenario, round_)
+                calls_out = (
+                    Path(args.calls_dir) / f"{trace.format}_{fraction}_{name}.jsonl"
+                    if args.calls_dir
+                    else None
                 )
+                summary, calls[scenario.name] = run_scenario(
+                    trace, scenario, blocks, options, tokens, args.cores, args.model, calls_out
+                )
+                pool["scenarios"][name] = summary
+            # per call, against this round's vanilla; a later round's vanilla against the
+            # first's: the measurement's floor
+            base = calls.get("vanilla")
+            for scenario in order:
+                name = run_name(scenario, round_)
+                against = first_vanilla if scenario.name == "vanilla" else base
+                if against is not None and against is not calls[scenario.name]:
+                    paired = paired_ttft(against, calls[scenario.name])
+                    pool["scenarios"][name]["ttft_paired_vs_vanilla"] = paired
+            if first_vanilla is None:
+                first_vanilla = base
         row["pools"].append(pool)
     return row
 
@@ -306,17 +346,22 @@ def latency_markdown(result: dict[str, Any]) -> str:
     vLLM's own (queue and prefill), the client's work before the wire, its event loop's lag."""
     lines = [
         "",
-        "Where the TTFT goes (ms; the server's figures are vLLM's own histograms):",
+        "Where the TTFT goes (ms; the server's figures are vLLM's own histograms; per call vs "
+        "vanilla: the client's TTFT less vanilla's, over the calls that computed the same "
+        "tokens on both sides, against the same round's vanilla, a later vanilla against the "
+        "first):",
         "",
         "| pool | scenario | client TTFT mean / p90 | server TTFT mean | queue mean "
         "| prefill mean | server TTFT > 0.1 / 0.25 s | before the wire p50 / p90 "
-        "| client loop lag p99 / total (s) | CPU s: client / server |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| client loop lag p99 / total (s) | CPU s: client / server "
+        "| per call vs vanilla: median / mean (calls) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["traces"]:
         for pool in row["pools"]:
             for name, s in pool["scenarios"].items():
                 srv = s.get("server") or {}
+                paired = s.get("ttft_paired_vs_vanilla") or {}
                 lines.append(
                     f"| {pool['pool']}x | {name} | {_f(s.get('ttft_ms_mean'))} / "
                     f"{_f(s.get('ttft_ms_p90'))} | {_f(srv.get('ttft_ms_mean'))} "
@@ -326,7 +371,9 @@ def latency_markdown(result: dict[str, Any]) -> str:
                     f"{_f(s.get('pre_send_ms_p90'), '.1f')} "
                     f"| {_f(s.get('loop_lag_ms_p99'), '.1f')} / "
                     f"{_f(s.get('loop_lag_s_total'), '.1f')} "
-                    f"| {_f(s.get('client_cpu_s'), '.1f')} / {_f(s.get('server_cpu_s'), '.1f')} |"
+                    f"| {_f(s.get('client_cpu_s'), '.1f')} / {_f(s.get('server_cpu_s'), '.1f')} "
+                    f"| {_f(paired.get('median_ms'), '+.1f')} / "
+                    f"{_f(paired.get('mean_ms'), '+.1f')} ({paired.get('calls', '-')}) |"
                 )
     return "\n".join(lines) + "\n"
 
@@ -367,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--scenarios", default="vanilla,release,lifecycle,lifecycle-gap",
-        help="which, in the order they run (vanilla first: the others are compared with it)",
+        help="which, in the order they run (reversed every other round); the others are "
+        "compared with vanilla",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -376,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CI: synthetic, 4 formats, 0.5x")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--calls-dir", help="also write every call's record here (JSON lines)")
     parser.add_argument("--name", help="file stem (default trace_replay[_quick])")
     args = parser.parse_args(argv)
     if args.quick:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,16 @@ import httpx
 
 from vllm_affinity.core.lifecycle import ends_task
 
-from .runner import IDLE_AFTER_S, ReplayOptions, RunResult, Target, metrics_text, run, windows
+from .runner import (
+    IDLE_AFTER_S,
+    CallRecord,
+    ReplayOptions,
+    RunResult,
+    Target,
+    metrics_text,
+    run,
+    windows,
+)
 from .simulator import CapacityError, Request, simulate
 from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 
@@ -79,6 +89,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "loop_lag_s_total": round(sum(result.loop_lags), 2),
         "server": result.server_latency,
         "client_cpu_s": None if result.client_cpu_s is None else round(result.client_cpu_s, 1),
+        "by_computed": by_computed(ok) if reported else None,
         "session_s_p50": round(percentile(completion, 50) or 0.0, 2),
         "session_s_p90": round(percentile(completion, 90) or 0.0, 2),
         "wall_s": round(result.wall_s, 1),
@@ -99,6 +110,63 @@ def summarize(result: RunResult) -> dict[str, Any]:
     if errors:
         summary["first_error"] = errors[0]
     return summary
+
+
+#: buckets of tokens a call computed (its prompt less what the cache gave), for ``by_computed``
+COMPUTED_BUCKETS: tuple[tuple[str, int, int], ...] = (
+    ("0-32", 0, 32),
+    ("33-128", 33, 128),
+    ("129-512", 129, 512),
+    ("513+", 513, 1 << 40),
+)
+
+
+def by_computed(calls: Sequence[CallRecord]) -> dict[str, Any]:
+    """The client's TTFT per bucket of tokens each call computed: two sides with equal TTFT
+    per bucket differ in TTFT only by how their misses fall on calls (the policy), not by
+    per-call cost."""
+    computed = [c.prompt_tokens - (c.cached_tokens or 0) for c in calls]
+    out: dict[str, Any] = {
+        "computed_p50": percentile(computed, 50),
+        "computed_p90": percentile(computed, 90),
+        "computed_p99": percentile(computed, 99),
+    }
+    for name, low, high in COMPUTED_BUCKETS:
+        ttft = [
+            c.ttft
+            for c, n in zip(calls, computed, strict=True)
+            if low <= n <= high and c.ttft is not None
+        ]
+        out[name] = {
+            "calls": len(ttft),
+            "ttft_ms_p50": _ms(percentile(ttft, 50)),
+            "ttft_ms_p90": _ms(percentile(ttft, 90)),
+        }
+    return out
+
+
+def paired_ttft(base: Sequence[CallRecord], other: Sequence[CallRecord]) -> dict[str, Any] | None:
+    """``other``'s TTFT against ``base``'s, call by call, over the calls that computed the same
+    tokens on both sides (the same trace call, sent on the same schedule): what a side adds per
+    call, apart from what its cache policy changes and from the load both runs saw. Two runs of
+    one side give this measurement's floor."""
+    by_index = {c.index: c for c in base if c.error is None and c.ttft is not None}
+    diffs = []
+    for c in other:
+        b = by_index.get(c.index)
+        if b is None or c.error is not None or c.ttft is None:
+            continue
+        if c.cached_tokens is None or b.cached_tokens is None:
+            continue
+        if c.prompt_tokens - c.cached_tokens == b.prompt_tokens - b.cached_tokens:
+            diffs.append(c.ttft - b.ttft)
+    if not diffs:
+        return None
+    return {
+        "calls": len(diffs),
+        "median_ms": _ms(statistics.median(diffs)),
+        "mean_ms": _ms(statistics.fmean(diffs)),
+    }
 
 
 def pool_of(root_url: str, api_key: str) -> tuple[int, int] | None:

@@ -47,6 +47,7 @@ def _plugin_server() -> VLLMServer:
         cpu_cores="0",
         extra_args=("--trust-request-chat-template",),
         eager=True,
+        worker_in_engine=True,
     )
 
 
@@ -54,7 +55,12 @@ def _vanilla_server() -> VLLMServer:
     from .testing import VLLMServer
 
     return VLLMServer(
-        plugin=False, num_blocks=NUM_BLOCKS, api_key=API_KEY, cpu_cores="1", eager=True
+        plugin=False,
+        num_blocks=NUM_BLOCKS,
+        api_key=API_KEY,
+        cpu_cores="1",
+        eager=True,
+        worker_in_engine=True,
     )
 
 

@@ -184,6 +184,7 @@ class VLLMServer(LoopbackServer):
         port: int | None = None,
         eager: bool = False,
         launcher: Sequence[str] | None = None,
+        worker_in_engine: bool = False,
     ) -> None:
         self.model = str(model or build())
         #: The command that starts vLLM, before the model (default: this package's launcher;
@@ -216,6 +217,12 @@ class VLLMServer(LoopbackServer):
         #: their figures stay comparable with earlier runs (the agent benchmark's vanilla TTFT
         #: p50 at 0.5x was 63 ms either way here).
         self.eager = eager
+        if worker_in_engine:
+            # vLLM's UniProcExecutor (one GPU's layout): the model runs in the engine core's
+            # process. On CPU vLLM otherwise spawns a worker process, which imports torch and
+            # vLLM again (about 15 s of CPU), after the engine core's own import. Tests use
+            # it; benchmarks keep the CPU default, where the worker's OpenMP threads are pinned.
+            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -8,7 +8,13 @@ from vllm_affinity.testing import VLLMServer
 
 def _empty_plugin_server() -> VLLMServer:
     return VLLMServer(
-        plugin=True, num_blocks=64, max_model_len=1900, api_key=API_KEY, cpu_cores="0", eager=True
+        plugin=True,
+        num_blocks=64,
+        max_model_len=1900,
+        api_key=API_KEY,
+        cpu_cores="0",
+        eager=True,
+        worker_in_engine=True,
     )
 
 

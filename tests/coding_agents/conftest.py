@@ -45,6 +45,7 @@ def _agents_server() -> VLLMServer:
         num_blocks=6144,  # 196k tokens: one 128k-token request fits
         max_model_len=131072,
         eager=True,
+        worker_in_engine=True,
         # two API-server processes, each taking connections as they come: every agent's
         # windows are judged by the engine, which sees all of a session's requests; and a
         # model that answers empty when a test asks it to
@@ -549,7 +550,12 @@ class AgentsFleet:
 @pytest.fixture
 def agents_fleet(agents_server: VLLMServer) -> Iterator[AgentsFleet]:
     second = VLLMServer(
-        model=build(size="long"), plugin=True, num_blocks=3072, max_model_len=65536, eager=True
+        model=build(size="long"),
+        plugin=True,
+        num_blocks=3072,
+        max_model_len=65536,
+        eager=True,
+        worker_in_engine=True,
     )
     with second, NginxRouter([f"127.0.0.1:{agents_server.port}", f"127.0.0.1:{second.port}"]) as r:
         yield AgentsFleet([agents_server, second], r)

@@ -41,6 +41,7 @@ def _second_plugin_server() -> VLLMServer:
         extra_args=("--otlp-traces-endpoint", _the_collector().grpc_endpoint),
         cpu_cores="1",
         eager=True,
+        worker_in_engine=True,
     )
 
 

@@ -24,7 +24,9 @@ API_KEY = "crash-key"
 
 
 def _crash_server() -> VLLMServer:
-    return VLLMServer(plugin=True, num_blocks=64, api_key=API_KEY, eager=True)
+    return VLLMServer(
+        plugin=True, num_blocks=64, api_key=API_KEY, eager=True, worker_in_engine=True
+    )
 
 
 #: This test's own server (it kills and restarts it), started with the other shared servers.

@@ -33,6 +33,7 @@ def _data_parallel_server() -> VLLMServer:
         num_blocks=128,
         extra_args=("--data-parallel-size", "2", "--api-server-count", "2"),
         eager=True,
+        worker_in_engine=True,
     )
 
 

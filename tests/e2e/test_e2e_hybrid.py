@@ -60,8 +60,10 @@ def assert_every_group_released(compaction: Compaction) -> None:
 def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """A tight pool of the gpt-oss shape, with and without the plugin, started side by side:
     the squeeze and (``make test-long``) the replay, this module's first tests."""
-    plugin = hybrid_vllm("gpt-oss", num_blocks=160, max_model_len=2816)
-    vanilla = hybrid_vllm("gpt-oss", plugin=False, num_blocks=160, max_model_len=2816)
+    plugin = hybrid_vllm("gpt-oss", num_blocks=160, max_model_len=2816, worker_in_engine=True)
+    vanilla = hybrid_vllm(
+        "gpt-oss", plugin=False, num_blocks=160, max_model_len=2816, worker_in_engine=True
+    )
     with ExitStack() as stack:
         for server in (plugin, vanilla):
             stack.callback(server.stop)
@@ -76,7 +78,7 @@ def later_shapes() -> Iterator[dict[str, VLLMServer]]:
     """Gemma 3's and Qwen3-Next's plugin servers, started side by side once the tight pair is
     gone (two servers at a time, as the pair: each vLLM process tree holds a few GB; their
     start-ups overlap instead of queueing)."""
-    servers = {arch: hybrid_vllm(arch) for arch in ("gemma3", "qwen3-next")}
+    servers = {arch: hybrid_vllm(arch, worker_in_engine=True) for arch in ("gemma3", "qwen3-next")}
     with ExitStack() as stack:
         for server in servers.values():
             stack.callback(server.stop)

@@ -56,7 +56,9 @@ class Tally:
 
 @pytest.fixture(scope="module")
 def soak_server() -> Iterator[VLLMServer]:
-    with VLLMServer(plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY, eager=True) as server:
+    with VLLMServer(
+        plugin=True, num_blocks=NUM_BLOCKS, api_key=API_KEY, eager=True, worker_in_engine=True
+    ) as server:
         yield server
 
 

@@ -1,15 +1,19 @@
 """Where a replayed call's TTFT goes (``jiuwen_replay/latency.py``): vLLM's latency histograms
-read from a page prometheus_client writes under vLLM's names, and the client loop's lag."""
+read from a page prometheus_client writes under vLLM's names, the client loop's lag, and the
+per-call comparisons of two runs (``compare.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from jiuwen_replay.compare import by_computed, paired_ttft
 from jiuwen_replay.latency import LoopLag, histograms, server_latency
+from jiuwen_replay.runner import CallRecord
 
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -63,3 +67,30 @@ def test_the_loop_lag_shows_a_blocked_event_loop() -> None:
     lags = asyncio.run(blocked())
     assert max(lags) >= 0.08, lags
     assert sorted(lags)[len(lags) // 2] < 0.05, lags  # the other wake-ups were on time
+
+
+def record(index: int, ttft: float, prompt: int, cached: int, error: str | None = None) -> Any:
+    return CallRecord(
+        index, "s", 0.0, ttft=ttft, prompt_tokens=prompt, cached_tokens=cached, error=error
+    )
+
+
+def test_paired_ttft_compares_only_calls_that_computed_the_same_tokens() -> None:
+    base = [record(0, 0.010, 64, 32), record(1, 0.020, 64, 0), record(2, 0.030, 64, 32)]
+    other = [
+        record(0, 0.013, 64, 32),  # same work: +3 ms
+        record(1, 0.005, 64, 64),  # the other side hit more: a policy difference, left out
+        record(2, 0.031, 64, 32),  # same work: +1 ms
+        record(3, 0.500, 64, 32),  # no counterpart
+    ]
+    out = paired_ttft(base, other)
+    assert out == {"calls": 2, "median_ms": 2.0, "mean_ms": 2.0}
+    assert paired_ttft(base, [record(0, 0.1, 64, 32, error="boom")]) is None
+
+
+def test_ttft_by_computed_tokens_buckets_each_call_by_its_own_work() -> None:
+    calls = [record(0, 0.010, 64, 64), record(1, 0.050, 600, 0), record(2, 0.020, 100, 60)]
+    out = by_computed(calls)
+    assert out["0-32"] == {"calls": 1, "ttft_ms_p50": 10.0, "ttft_ms_p90": 10.0}
+    assert out["33-128"]["calls"] == 1 and out["513+"]["ttft_ms_p50"] == 50.0
+    assert out["129-512"]["calls"] == 0 and out["computed_p90"] == 600
