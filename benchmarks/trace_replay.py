@@ -173,12 +173,14 @@ def run_scenario(
             hooked=is_hooked(scenario),
             agent_headers=scenario.agent_headers,
         )  # fmt: skip
-        cpu = server.cpu_seconds()
+        cpu = server.cpu_seconds_by_process()
         result = run(trace, target, options, nonce=1)
         if calls_out is not None:
             write_calls(calls_out, result.calls)
         summary = summarize(result)
-        summary["server_cpu_s"] = round(server.cpu_seconds() - cpu, 1)
+        used = {k: v - cpu[k] for k, v in server.cpu_seconds_by_process().items()}
+        summary["server_cpu_s"] = round(sum(used.values()), 1)
+        summary["server_cpu_s_by_process"] = {k: round(v, 1) for k, v in used.items()}
         # a peer's policy is not ours: beside it, the simulator's LRU (vanilla's)
         modelled = {**summary, "agent_headers": False} if scenario.peer else summary
         check = simulated(trace, options, result, modelled, tokens)
@@ -353,9 +355,10 @@ def latency_markdown(result: dict[str, Any]) -> str:
         "",
         "| pool | scenario | client TTFT mean / p90 | server TTFT mean | queue mean "
         "| prefill mean | server TTFT > 0.1 / 0.25 s | before the wire p50 / p90 "
-        "| client loop lag p99 / total (s) | CPU s: client / server "
+        "| client loop lag p99 / total (s) | client GC s (gen 2: s, count; longest ms) "
+        "| CPU s: client / server (API / engine / worker) "
         "| per call vs vanilla: median / mean (calls) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["traces"]:
         for pool in row["pools"]:
@@ -371,11 +374,27 @@ def latency_markdown(result: dict[str, Any]) -> str:
                     f"{_f(s.get('pre_send_ms_p90'), '.1f')} "
                     f"| {_f(s.get('loop_lag_ms_p99'), '.1f')} / "
                     f"{_f(s.get('loop_lag_s_total'), '.1f')} "
+                    f"| {_gc(s.get('client_gc'))} "
                     f"| {_f(s.get('client_cpu_s'), '.1f')} / {_f(s.get('server_cpu_s'), '.1f')} "
+                    f"({_by_process(s.get('server_cpu_s_by_process'))}) "
                     f"| {_f(paired.get('median_ms'), '+.1f')} / "
                     f"{_f(paired.get('mean_ms'), '+.1f')} ({paired.get('calls', '-')}) |"
                 )
     return "\n".join(lines) + "\n"
+
+
+def _gc(pauses: dict[str, Any] | None) -> str:
+    if not pauses:
+        return "-"
+    return (
+        f"{pauses['s']:.2f} ({pauses['gen2_s']:.2f}, {pauses['gen2_count']}; "
+        f"{pauses['longest_ms']:.0f})"
+    )
+
+
+def _by_process(cpu: dict[str, float] | None) -> str:
+    """The server's CPU seconds as API server / engine core / worker."""
+    return "-" if not cpu else " / ".join(f"{cpu[k]:.1f}" for k in ("api", "engine", "worker"))
 
 
 def _f(value: float | None, spec: str = ".0f") -> str:

@@ -89,6 +89,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "loop_lag_s_total": round(sum(result.loop_lags), 2),
         "server": result.server_latency,
         "client_cpu_s": None if result.client_cpu_s is None else round(result.client_cpu_s, 1),
+        "client_gc": result.client_gc,
         "by_computed": by_computed(ok) if reported else None,
         "session_s_p50": round(percentile(completion, 50) or 0.0, 2),
         "session_s_p90": round(percentile(completion, 90) or 0.0, 2),
@@ -332,6 +333,7 @@ def compare(
     rendered: dict[str, list[tuple[int, ...]] | None] = {}  # per server, rendered once
     for round_index in range(rounds):
         order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
+        calls: dict[str, list[CallRecord]] = {}
         for target in order:
             nonce += 1
             say(f"round {round_index + 1}/{rounds}: {target.name} ({target.base_url}) ...")
@@ -350,7 +352,12 @@ def compare(
                 [c.index, _ms(c.ttft), c.prompt_tokens, c.cached_tokens] for c in result.calls
             ]
             runs.append(summary)
+            calls[target.name] = result.calls
             say(f"  {target.name}: {headline(summary)}")
+        baseline = calls[targets[0].name]
+        for summary in runs[-len(order) :]:
+            if summary["side"] != targets[0].name:
+                summary["ttft_paired"] = paired_ttft(baseline, calls[summary["side"]])
     return {"trace": trace.describe(), "options": _options(options), "runs": runs}
 
 

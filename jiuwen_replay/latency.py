@@ -13,12 +13,15 @@ three (the client, the engine's queue, the prefill) it comes from (issue 36).
   TTFT bounds.
 - ``LoopLag``: how late a coroutine that asks to wake every ``period`` seconds wakes, on the
   loop the calls run on (the client's CPU beside the server's shows up here).
+- ``GcPauses``: the client's garbage-collector pauses over a run, which stop its event loop
+  (a client holding more objects, the hook's per-session state among them, pauses longer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,3 +99,39 @@ class LoopLag:
             asked = time.perf_counter()
             await asyncio.sleep(self.period)
             self.lags.append(max(0.0, time.perf_counter() - asked - self.period))
+
+
+@dataclass
+class GcPauses:
+    """The cyclic garbage collector's pauses while recording (``gc.callbacks``): count and
+    seconds per generation, and the longest pause."""
+
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+    longest: float = 0.0
+    _started: float = 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        generation = info["generation"]
+        self.seconds[generation] += pause
+        self.counts[generation] += 1
+        self.longest = max(self.longest, pause)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "s": round(sum(self.seconds), 2),
+            "gen2_s": round(self.seconds[2], 2),
+            "gen2_count": self.counts[2],
+            "longest_ms": round(self.longest * 1e3, 1),
+        }

@@ -40,6 +40,20 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {paths} "
             f"| {run['errors']} |"
         )
+    paired = [r for r in result["runs"] if r.get("ttft_paired")]
+    if paired:
+        lines += [
+            "",
+            f"TTFT call by call against {result['runs'][0]['side']} in the same round, over the "
+            "calls that computed the same tokens on both sides (what a side adds per call, "
+            "apart from its cache policy):",
+            "",
+        ]
+        lines += [
+            f"- round {r['round']}, {r['side']}: median {r['ttft_paired']['median_ms']:+.1f} ms, "
+            f"mean {r['ttft_paired']['mean_ms']:+.1f} ms over {r['ttft_paired']['calls']} calls"
+            for r in paired
+        ]
     ratios = side_ratios(result)
     if ratios:
         lines += ["", "Means over rounds, second side against the first:", ""]

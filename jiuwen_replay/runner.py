@@ -38,7 +38,7 @@ from jiuwen_kv_protocol.headers import (
 )
 from vllm_affinity.settings import Settings
 
-from .latency import LoopLag, histograms, server_latency
+from .latency import GcPauses, LoopLag, histograms, server_latency
 from .prompts import WindowBuilder
 from .trace import Trace, TraceRequest, next_call_gaps, next_use_hints
 
@@ -132,6 +132,8 @@ class RunResult:
     loop_lags: list[float] = field(default_factory=list)
     #: CPU seconds the replaying process used over the run (the SDK, the hook, its threads)
     client_cpu_s: float | None = None
+    #: the client's garbage-collector pauses over the run (``latency.GcPauses.summary``)
+    client_gc: dict[str, Any] | None = None
     hook: dict[str, Any] = field(default_factory=dict)
 
     def sent_order(self) -> list[int]:
@@ -432,8 +434,10 @@ def run(
                 if hook.probe(target.root_url, options.api_key) != "unknown":
                     break
         cpu = time.process_time()
-        asyncio.run(_replay(trace, target, options, prompts, result))
+        with GcPauses() as pauses:
+            asyncio.run(_replay(trace, target, options, prompts, result))
         result.client_cpu_s = time.process_time() - cpu
+        result.client_gc = pauses.summary()
         if hook is not None:
             hook.flush()
             result.hook = {k: v for k, v in hook.stats().items() if k != "engines"}

@@ -7,8 +7,10 @@ end-to-end tests.
   (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
-The servers run eager (``VLLMServer(eager=True)``: no compile warm-up). A server takes about
-45 s to come up on 2 cores: tests share one per configuration
+The servers run eager (``VLLMServer(eager=True)``: no compile warm-up) with the model in the
+engine core's process (``worker_in_engine=True``: vLLM's one-GPU layout; on CPU vLLM otherwise
+starts a worker process that imports torch and vLLM once more). A server takes about 25 s to
+come up alone on 2 cores (37 s with the worker process): tests share one per configuration
 (``shared_server`` declares more), and the shared servers start together when the first test
 needs one. Starting them earlier, while the server-less tests run, measured no faster here:
 both are CPU-bound on the same two cores.

@@ -5,6 +5,7 @@ per-call comparisons of two runs (``compare.py``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from jiuwen_replay.compare import by_computed, paired_ttft
-from jiuwen_replay.latency import LoopLag, histograms, server_latency
+from jiuwen_replay.latency import GcPauses, LoopLag, histograms, server_latency
 from jiuwen_replay.runner import CallRecord
 
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -94,3 +95,14 @@ def test_ttft_by_computed_tokens_buckets_each_call_by_its_own_work() -> None:
     assert out["0-32"] == {"calls": 1, "ttft_ms_p50": 10.0, "ttft_ms_p90": 10.0}
     assert out["33-128"]["calls"] == 1 and out["513+"]["ttft_ms_p50"] == 50.0
     assert out["129-512"]["calls"] == 0 and out["computed_p90"] == 600
+
+
+def test_gc_pauses_are_counted_per_generation_while_recording() -> None:
+    with GcPauses() as pauses:
+        gc.collect(2)
+        gc.collect(0)
+    gc.collect(2)  # after recording: not counted
+    out = pauses.summary()
+    assert pauses.counts[2] == 1 and pauses.counts[0] >= 1
+    assert out["gen2_count"] == 1 and out["s"] >= out["gen2_s"] >= 0
+    assert pauses._callback not in gc.callbacks
