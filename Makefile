@@ -176,9 +176,8 @@ test-vllm-next: $(VLLM_NEXT_DIR)/.extracted
 	PYTHONPATH=$(VLLM_NEXT_DIR) JIUWEN_EXPECT_VLLM=$(VLLM_NEXT) $(PY) -m pytest -q -p no:cacheprovider tests/adapter
 
 ## test-long: the minutes-long runs make test skips (the 150 s soak; two replicas behind nginx,
-## with the hook and with Claude Code and the Codex CLI; the engine killed mid-run and restarted;
-## the hybrid tight-pool trace replay beside vanilla)
-test-long: $(MODEL) $(HYBRID_MODELS) $(AGENTS) debian-tools
+## with the hook and with Claude Code and the Codex CLI)
+test-long: $(MODEL) $(AGENTS) debian-tools
 	JIUWEN_LONG=1 $(PY) -m pytest -m long
 
 ## test-bench: the benchmark scripts' own pipeline runs (servers of their own; ~5 minutes)

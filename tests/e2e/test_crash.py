@@ -2,7 +2,7 @@
 hook while the plugin server is SIGKILLed and restarted on the same port. The agent sees exactly
 the errors it would see without the hook, none of ours; after the restart its calls and releases
 resume (its sessions are unknown to the new engine: they release 0 blocks); the hook counts the
-failed releases. A restart of a real server, about a minute and a half: ``make test-long``."""
+failed releases. A restart of a real server, about a minute and a half."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jiuwen_hooks
 from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]
+pytestmark = pytest.mark.e2e
 
 API_KEY = "crash-key"
 

@@ -59,7 +59,7 @@ def assert_every_group_released(compaction: Compaction) -> None:
 @pytest.fixture(scope="module")
 def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """A tight pool of the gpt-oss shape, with and without the plugin, started side by side:
-    the squeeze and (``make test-long``) the replay, this module's first tests."""
+    the squeeze and the replay, this module's first tests."""
     plugin = hybrid_vllm("gpt-oss", num_blocks=160, max_model_len=2816, worker_in_engine=True)
     vanilla = hybrid_vllm(
         "gpt-oss", plugin=False, num_blocks=160, max_model_len=2816, worker_in_engine=True
@@ -161,7 +161,6 @@ def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
     assert plugin.engine_stats()["released_reused"] > 0
 
 
-@pytest.mark.long  # about a minute on two cores: ``make test-long``
 def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
     gpt_oss_pair: tuple[VLLMServer, VLLMServer],
     tmp_path: Path,
