@@ -254,7 +254,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
             for scenario in order:
                 name = run_name(scenario, round_)
                 against = first_vanilla if scenario.name == "vanilla" else base
-                if against is not None and against is not calls[scenario.name]:
+                if against is not None:
                     paired = paired_ttft(against, calls[scenario.name])
                     pool["scenarios"][name]["ttft_paired_vs_vanilla"] = paired
             if first_vanilla is None:

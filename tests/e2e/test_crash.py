@@ -2,7 +2,7 @@
 hook while the plugin server is SIGKILLed and restarted on the same port. The agent sees exactly
 the errors it would see without the hook, none of ours; after the restart its calls and releases
 resume (its sessions are unknown to the new engine: they release 0 blocks); the hook counts the
-failed releases. A restart of a real server, about a minute and a half."""
+failed releases. A restart of a real server, about half a minute."""
 
 from __future__ import annotations
 
