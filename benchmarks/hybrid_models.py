@@ -72,6 +72,9 @@ def call(
 
 
 def groups(server: VLLMServer) -> dict[int, dict[str, Any]]:
+    """Per group, the plugin's stats (nothing for a vanilla server)."""
+    if not server.plugin:
+        return {}
     return {g["group"]: g for g in server.engine_stats()["groups"]}
 
 
@@ -97,16 +100,27 @@ class Compaction:
     kept_tokens: int  # the old window's tokens the compacted one starts with
 
 
+def system_prompt(seed: int, pairs: int = 150) -> str:
+    """The instructions of session ``seed`` (about three tokens a pair)."""
+    return f"You are coding agent {seed}. " + text(seed, pairs)
+
+
 def grow_then_compact(
-    server: VLLMServer, seed: int, headers: dict[str, str] | None = None, flush: Any = None
+    server: VLLMServer,
+    seed: int,
+    headers: dict[str, str] | None = None,
+    flush: Any = None,
+    system_pairs: int = 150,
+    turn_pairs: int = 120,
 ) -> Compaction:
     """Four turns, a compaction (the system prompt kept, a summary for the rest), one more
     turn."""
-    system = f"You are coding agent {seed}. " + text(seed, 150)
-    window: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    window: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt(seed, system_pairs)}
+    ]
     calls = []
     for turn in range(4):
-        window.append({"role": "user", "content": text(seed * 10 + turn, 120)})
+        window.append({"role": "user", "content": text(seed * 10 + turn, turn_pairs)})
         calls.append(call(server, window, headers))
         window.append({"role": "assistant", "content": f"Done with step {turn}."})
     if flush:

@@ -25,11 +25,16 @@ REQUIRED = {
         "num_gpu_blocks",
     ),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": (
+        "get_computed_blocks",
         "allocate_slots",
         "free",
         "pop_blocks_for_free",
         "coordinator",
         "block_pool",
+    ),
+    # a hybrid model's checkpoints (checkpoints.py): its blocks found by vLLM's own lookup
+    "vllm.v1.core.kv_cache_coordinator.HybridKVCacheCoordinator": (
+        "find_longest_cache_hit_per_group",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler": (
         "add_request",

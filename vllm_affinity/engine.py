@@ -5,6 +5,9 @@
 - ``BlockPool.get_new_blocks``: blocks handed out for new content are held by no session any more.
 - ``KVCacheManager.allocate_slots`` / ``free`` / ``pop_blocks_for_free``: bind a request's blocks
   (prefix hits and new ones) to its session (``session_id``, else ``cache_salt``).
+- ``KVCacheManager.get_computed_blocks``: on a hybrid model, a request's instructions' end
+  becomes its junction, where vLLM keeps the sliding-window and Mamba state
+  (``checkpoints.py``).
 - ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
   request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
   blocks it releases can serve that very request's allocation. A request naming its parent
@@ -150,6 +153,17 @@ def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             if state is not None and (any(result.blocks) or not state.is_bound(request.request_id)):
                 _bind(state, session, instance, request)
     return result
+
+
+def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """A hybrid model's request may get its instructions' end as its junction
+    (``checkpoints.py``); any other request's lookup is vLLM's, at one attribute check."""
+    answer = wrapped(*args, **kwargs)
+    state = affinity_of(instance.block_pool)
+    if state is None or state.checkpoints is None:
+        return answer
+    request = args[0] if args else kwargs["request"]
+    return state.checkpoints.on_lookup(instance.coordinator, request, answer)
 
 
 def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -305,6 +319,7 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(BlockPool, "get_new_blocks", _get_new_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "__init__", _kv_cache_manager_init)
     wrapt.wrap_function_wrapper(KVCacheManager, "allocate_slots", _allocate_slots)
+    wrapt.wrap_function_wrapper(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))

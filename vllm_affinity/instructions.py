@@ -12,10 +12,16 @@ tools twice, each followed by a different one-word user message: the tokens the 
 share are exactly what any conversation with these instructions starts with, whatever the chat
 template does with tools or turn markers. Once per session (bounded, least recently used out);
 a render that fails gives 0 (the end then releases everything, as before), never an error.
+
+On a hybrid model every request's instruction length is the position where the engine keeps
+its sliding-window and Mamba state (``checkpoints.py``), cached by the instructions' content
+(``instructions_key``): sessions with the same instructions render them once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -25,7 +31,7 @@ from .core.compaction import INSTRUCTION_ROLES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["INSTRUCTION_ROLES", "Instructions"]
+__all__ = ["INSTRUCTION_ROLES", "Instructions", "instructions_key"]
 
 #: Two user messages that differ from their first character on.
 _PROBES = ("Alpha", "Omega")
@@ -85,14 +91,41 @@ class Instructions:
         return list(self._chat._extract_prompt_components(engine_input).token_ids)
 
 
-def _chat_probes(request: Any) -> tuple[Any, Any] | None:
-    """The request cut to its instructions and tools, then one probe user message each."""
+def instructions_key(request: Any) -> str | None:
+    """A key for ``request``'s instructions and tools, whatever session sends them (None: it
+    has neither): requests with equal keys start with the same tokens."""
+    if hasattr(request, "messages"):
+        parts: list[Any] = [_chat_head(request), request.tools]
+    elif hasattr(request, "input"):
+        parts = [request.instructions, request.tools]
+    else:
+        return None
+    if not parts[0] and not parts[1]:
+        return None
+    text = json.dumps(parts, sort_keys=True, default=_plain)
+    return "instructions:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    """A pydantic model (a tool, a typed message) as the plain data it holds."""
+    dump = getattr(value, "model_dump", None)
+    return dump(mode="json") if callable(dump) else repr(value)
+
+
+def _chat_head(request: Any) -> list[Any]:
+    """The leading instruction messages (system, developer) of a chat request."""
     head = []
     for message in request.messages or []:
         role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
         if role not in INSTRUCTION_ROLES:
             break
         head.append(message)
+    return head
+
+
+def _chat_probes(request: Any) -> tuple[Any, Any] | None:
+    """The request cut to its instructions and tools, then one probe user message each."""
+    head = _chat_head(request)
     if not head and not request.tools:
         return None
     return tuple(  # type: ignore[return-value]

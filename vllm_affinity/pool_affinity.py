@@ -27,6 +27,7 @@ from jiuwen_kv_protocol.models import (
     Segments,
 )
 
+from .checkpoints import CHECKPOINT_KEY, InstructionCheckpoints, has_sparse_groups
 from .core import (
     HOLE,
     IdleResult,
@@ -72,6 +73,7 @@ RESERVED_KEYS = (
     RETRY_KEY,
     HEAD_KEY,
     NEXT_USE_KEY,
+    CHECKPOINT_KEY,
 )
 
 
@@ -94,6 +96,7 @@ class PoolAffinity:
 
         self._strip_group = get_block_hash
         self._max_sessions = settings.max_sessions
+        self.counters = Counters(COUNTER_NAMES)
         #: A side branch's instruction length (its latest request's ``HEAD_KEY``).
         self._side_heads: OrderedDict[str, int] = OrderedDict()
         self.groups: tuple[KVGroup, ...] = ()
@@ -116,7 +119,6 @@ class PoolAffinity:
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, tuple[int, ...]] = {}
-        self.counters = Counters(COUNTER_NAMES)
 
     def attach_groups(self, groups: tuple[KVGroup, ...]) -> None:
         """The model's KV-cache groups that prefix caching covers (before any request)."""
@@ -124,6 +126,12 @@ class PoolAffinity:
             raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
         self.groups = groups
         self.tables = tuple(SessionBlocks(self._max_sessions) for _ in groups)
+        #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
+        self.checkpoints = (
+            InstructionCheckpoints(self.queue, groups, self.counters, self._max_sessions)
+            if has_sparse_groups(groups)
+            else None
+        )
         if self._picker is None and len(groups) > 1:
             self.predict_returns(False)  # ``auto`` on a hybrid model: LRU's order
         self._group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]

@@ -31,6 +31,7 @@ from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseRequest
 
 from .agent_windows import EngineWindows, LocalWindows
+from .checkpoints import DENSE_KINDS
 from .core import engine_rank
 from .core.compaction import owner_of
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
@@ -90,6 +91,9 @@ class ReleaseService:
     #: The chains of requests that name no session (``implicit_sessions.py``); ``None`` when
     #: ``VLLM_AFFINITY_IMPLICIT_SESSIONS`` is off.
     answers: AnswerRecords | None = field(init=False)
+    #: Whether the engines have a sliding-window or Mamba group (their stats say; None: not
+    #: asked yet): their requests carry the instructions' checkpoint (``checkpoints.py``).
+    _sparse: bool | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.idle_signals = IdleSignals(
@@ -334,6 +338,16 @@ class ReleaseService:
     def _token_ids(self, engine_input: Any) -> list[int]:
         return list(self.serving_chat._extract_prompt_components(engine_input).token_ids)
 
+    async def sparse_groups(self) -> bool:
+        """Whether the model has a sliding-window or Mamba group (asked of the engines once;
+        an engine that cannot answer yet: not known, no checkpoint)."""
+        if self._sparse is None:
+            try:
+                await self.stats()
+            except ReleaseError:
+                return False
+        return bool(self._sparse)
+
     async def call_engines(self, method: str, *args: Any) -> list[dict[str, Any]]:
         """A utility in every engine core (data parallel); 503 when the engine is dead."""
         if self.engine_client.errored:
@@ -361,6 +375,9 @@ class ReleaseService:
     async def stats(self) -> dict[str, Any]:
         engines = await self.call_engines("affinity_stats")
         self.metrics.update_engine_stats(engines)
+        self._sparse = any(
+            group["kind"] not in DENSE_KINDS for engine in engines for group in engine["groups"]
+        )
         # "pid": which API server answered, where several share the port (counts are its own)
         return {"engines": engines, "api_server": {"pid": os.getpid(), **self.metrics.api_counts()}}
 

@@ -15,7 +15,9 @@ decided), each testable alone:
 6. ``next_use``: ``X-KV-Next-Use``, validated (a malformed one is refused), and carried to
    the engine core for the predicted-return picker when that is on;
 7. ``engine``: a data-parallel server's engine for the session;
-8. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core.
+8. ``release_hint``: ``X-KV-Release``, validated and carried to the engine core;
+9. ``checkpoint``: on a hybrid model, where the request's instructions end, for the engine to
+   keep its sliding-window and Mamba state there (``checkpoints.py``).
 
 A step refuses a request by raising ``Refusal`` (answered with vLLM's own 400, counted); a
 step may be a coroutine function (``session`` asks the engine that serves the session when the
@@ -39,6 +41,7 @@ from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
 from .agent_windows import apply_verdict, prompt_cache_key, qwen_code_metadata, window_to_judge
+from .checkpoints import CHECKPOINT_KEY
 from .core import HintError, ReleaseHint, engine_rank
 from .core.answer_chains import ChainWindow
 from .core.compaction import BRANCH_SEPARATOR, Verdict, Window
@@ -47,6 +50,7 @@ from .core.lifecycle import NextUseError, parse_next_use
 from .core.session_headers import parent_from_headers, session_from_headers
 from .core.tenants import UNSCOPED, scoped
 from .implicit_sessions import chain_window_of, with_answer
+from .instructions import instructions_key
 from .lifecycle import watched
 from .pool_affinity import (
     HEAD_KEY,
@@ -186,6 +190,22 @@ def release_hint(path: RequestPath) -> None:
         _hint_span(path.raw_request, hint)
 
 
+async def checkpoint(path: RequestPath) -> None:
+    """A chat or Responses request to a model with a sliding-window or Mamba group tells the
+    engine how many of its leading tokens are instructions (``instructions.py``), session or
+    not: the engine keeps those groups' state there (``checkpoints.py``). A render that fails
+    leaves the request as vanilla's."""
+    service = path.service
+    if service is None or not hasattr(path.request, "vllm_xargs"):
+        return
+    key = instructions_key(path.request)
+    if key is None or not await service.sparse_groups():
+        return
+    tokens = await service.instructions.tokens(key, path.request)
+    if tokens:
+        path.request.vllm_xargs = {**(path.request.vllm_xargs or {}), CHECKPOINT_KEY: tokens}
+
+
 #: The request's path, in order.
 STEPS: tuple[Step, ...] = (
     cache_sharing,
@@ -196,6 +216,7 @@ STEPS: tuple[Step, ...] = (
     next_use,
     engine,
     release_hint,
+    checkpoint,
 )
 
 

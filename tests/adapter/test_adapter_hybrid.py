@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm_parts import (
     BLOCK,
     generate,
+    group_block_ids,
     make_hybrid_manager,
     make_manager,
     make_request,
@@ -319,3 +320,77 @@ def test_a_rewrite_keeps_a_side_branchs_instructions_in_every_group() -> None:
     # per group: the main thread's 7 dead prompt blocks and the side branch's 4
     assert [g.blocks_released for g in state.group_stats()] == [7 + 4, 7 + 4]
     assert not state.check(idle=True)
+
+
+def scheduled(manager: Any, request: Any) -> int:
+    """What the scheduler does with a new request's prefix lookup: the hit, and the junction
+    it pins on the request (the sliding-window manager keeps the state there). Then the
+    prefill, in one chunk."""
+    computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, request.num_tokens - hit, hit, computed) is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request, request.num_tokens)
+    return int(hit)
+
+
+def with_instructions(prompt: list[int], session: str, instructions: int | None) -> Any:
+    from vllm_affinity.checkpoints import CHECKPOINT_KEY
+
+    extra = {CHECKPOINT_KEY: instructions} if instructions else None
+    params = SamplingParams(max_tokens=4, extra_args=extra)
+    return make_request(prompt, session=session, sampling_params=params)
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["vanilla", "instructions told"])
+def test_a_new_sessions_first_call_hits_the_instructions_it_shares(told: bool) -> None:
+    """vLLM's default retention (interval 0) keeps a sliding window's state at a prompt's end
+    and at junctions only: told where A's instructions end, A's first call keeps the state
+    there, and B's first call hits the instructions; not told, B recomputes them (vLLM pins
+    its junction on B, for a third session)."""
+    manager = make_hybrid_manager(64, [sliding(), full()], retention_interval=0)
+    instructions = (5 * BLOCK + 3) if told else None  # floored to a block: 5 blocks
+    a = with_instructions([*tokens(0, 5), *range(9000, 9000 + 6 * BLOCK)], "A", instructions)
+    scheduled(manager, a)
+    assert a.shared_prefix_boundary == (5 * BLOCK if told else 0)
+    generate(manager, a, 4)
+    manager.free(a)
+    b = with_instructions([*tokens(0, 5), *range(7000, 7000 + 3 * BLOCK)], "B", instructions)
+    state = state_of(manager)
+    assert scheduled(manager, b) == (5 * BLOCK if told else 0)
+    assert state.stats().checkpoints_marked == (1 if told else 0)
+    assert not state.check(idle=False)
+
+
+def test_a_later_turn_keeps_the_checkpoint_it_shares_recent() -> None:
+    """A's second turn hits its own prompt's end, past the checkpoint: the checkpoint's
+    sliding-window blocks, freed when they left the window, move to the most recently used
+    end of the free queue, after the blocks of a session that ran since."""
+    manager = make_hybrid_manager(64, [sliding(), full()], retention_interval=0)
+    instructions = 4 * BLOCK
+    first = [*tokens(0, 4), *range(9000, 9000 + 4 * BLOCK)]
+    a = with_instructions(first, "A", instructions)
+    scheduled(manager, a)
+    manager.free(a)
+    other = make_request(tokens(20000, 3), session="C")  # freed after A's: more recent
+    scheduled(manager, other)
+    c_blocks = {i for ids in group_block_ids(manager, other) for i in ids if i}
+    manager.free(other)
+    state = state_of(manager)
+    checkpoint = state.checkpoints
+    assert checkpoint is not None
+    again = with_instructions([*first, *range(5000, 5000 + 2 * BLOCK)], "A", instructions)
+    assert scheduled(manager, again) > instructions
+    refreshed = state.stats().checkpoint_blocks_refreshed
+    assert refreshed == WINDOW // BLOCK  # the window's blocks before the checkpoint
+    kept = {b.block_id for b in checkpoint.known.blocks(again.block_hashes[3]) or []}
+    assert len(kept) == refreshed
+    order = [b.block_id for b in state.queue.get_all_free_blocks()]
+    last_of_c = max(order.index(i) for i in c_blocks if i in order)
+    assert min(order.index(i) for i in kept) > last_of_c, (kept, c_blocks, order)
+    manager.free(again)
+    assert not state.check(idle=True)
+
+
+def test_a_one_group_model_has_no_checkpoints() -> None:
+    state = state_of(make_manager(16))
+    assert state.checkpoints is None

@@ -73,14 +73,21 @@ def state_of(manager: KVCacheManager) -> Any:
 
 
 def make_hybrid_manager(
-    num_blocks: int, specs: list[Any], hash_block_size: int = BLOCK, scheduler_block_size: int = 0
+    num_blocks: int,
+    specs: list[Any],
+    hash_block_size: int = BLOCK,
+    scheduler_block_size: int = 0,
+    retention_interval: int | None = None,
 ) -> KVCacheManager:
     """A KVCacheManager over several KV-cache groups (one per spec), as vLLM builds it for a
-    hybrid model: one block pool, one single-type manager per group."""
+    hybrid model: one block pool, one single-type manager per group. ``retention_interval``:
+    ``None`` keeps every sliding-window block (the config's default); 0, a server's default,
+    keeps state only at prompt ends and junctions."""
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+        prefix_cache_retention_interval=retention_interval,
     )
     return KVCacheManager(
         config,

@@ -272,6 +272,15 @@ class QueueMachine(RuleBasedStateMachine):
         else:
             assert result is False
 
+    @rule(block_id=st.integers(min_value=0, max_value=N - 1))
+    def refresh(self, block_id: int) -> None:
+        result = self.q.refresh(self.blocks[block_id])
+        source = next((seg for seg in self.ref[2:4] if block_id in seg), None)
+        if source is not None:
+            source.remove(block_id)
+            self.ref[3].append(block_id)
+        assert result is (source is not None)
+
     @invariant()
     def same_order_and_counts(self) -> None:
         assert ids(self.q.get_all_free_blocks()) == self.in_queue()

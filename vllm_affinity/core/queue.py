@@ -18,6 +18,8 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
   that ``release`` marked pending while it was still in use;
 - ``release`` of a queued NORMAL or IDLE block → tail of RELEASED;
 - ``idle`` of a queued NORMAL block → tail of IDLE (a block in use is in use: no pending idle);
+- ``refresh`` of a queued NORMAL or IDLE block → tail of NORMAL (a shared state a live request
+  relied on without a hit: ``checkpoints.py``);
 - ``protect`` of a queued NORMAL or IDLE block → tail of PROTECTED (the caller bounds how many:
   PROTECTED is still free, so it never starves an allocation, it only comes last).
 
@@ -401,6 +403,16 @@ class SegmentedFreeBlockQueue:
             return False
         self.remove(block)
         self._link_run([block], _PROTECTED)
+        return True
+
+    def refresh(self, block: Block) -> bool:
+        """A queued NORMAL or IDLE block goes to NORMAL's most-recently-used end, as a prefix
+        hit and its free would put it (a shared state a live request relied on without touching
+        it). False when the block was neither."""
+        if self._segment_index(block) not in (_NORMAL, _IDLE):
+            return False
+        self.remove(block)
+        self.append_n([block])
         return True
 
     def restore(self, block: Block) -> bool:

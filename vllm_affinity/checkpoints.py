@@ -1,0 +1,100 @@
+"""vLLM adapter, engine side: the instructions' checkpoint of a hybrid model's request.
+
+The ``KVCacheManager.get_computed_blocks`` wrap (``engine.py``) hands its answer here. A
+request whose API server said where its instructions end (``CHECKPOINT_KEY``, in tokens: see
+``instructions.py``) and that will compute across that position gets it as its junction
+(vLLM's ``shared_prefix_boundary``, the third value of the answer): vLLM's scheduler then ends a
+prefill chunk there and its sliding-window and Mamba managers keep that state, as they do for a
+prefix on its second appearance (``core/checkpoints.py`` says why). A request that reaches past
+a checkpoint it shares keeps the checkpoint's blocks recent in the free queue.
+
+Nothing of vLLM's is rewritten: the wrap changes one value of the answer, and the blocks are
+found with vLLM's own per-group lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core.checkpoints import Checkpoints, checkpoint_position, junction
+from .core.counters import Counters
+from .core.groups import KVGroup
+from .core.queue import SegmentedFreeBlockQueue
+
+#: Key of a request's instruction length in tokens in ``SamplingParams.extra_args`` (set by the
+#: API server on a hybrid model's requests).
+CHECKPOINT_KEY = "kv_checkpoint"
+
+#: Kinds of group that keep every block of a prompt: their hit needs no checkpoint.
+DENSE_KINDS = frozenset({"full_attention", "mla_attention"})
+
+
+def has_sparse_groups(groups: tuple[KVGroup, ...]) -> bool:
+    """Whether some group keeps state only at some positions (sliding window, Mamba, ...)."""
+    return any(group.kind not in DENSE_KINDS for group in groups)
+
+
+class InstructionCheckpoints:
+    """One engine's checkpoints (attached to its pool when the model has a sparse group)."""
+
+    def __init__(
+        self,
+        queue: SegmentedFreeBlockQueue,
+        groups: tuple[KVGroup, ...],
+        counters: Counters,
+        max_entries: int,
+    ) -> None:
+        self._queue = queue
+        self._sparse = [group.index for group in groups if group.kind not in DENSE_KINDS]
+        self._counters = counters
+        self.known = Checkpoints(max_entries)
+
+    def on_lookup(self, coordinator: Any, request: Any, answer: tuple[Any, int, int]) -> Any:
+        """vLLM's prefix lookup for ``request`` (blocks, computed tokens, junction), with the
+        instructions' end as the junction where the request will compute across it."""
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        instructions = extra.get(CHECKPOINT_KEY)
+        if not instructions:
+            return answer
+        blocks, computed, vllm_junction = answer
+        alignment = coordinator.scheduler_block_size
+        prompt = request.num_prompt_tokens
+        position = checkpoint_position(int(instructions), alignment, computed, prompt)
+        if position:
+            if position > vllm_junction and not getattr(request, "_jiuwen_checkpoint", 0):
+                request._jiuwen_checkpoint = position  # counted once (a lookup may repeat)
+                self._counters.add("checkpoints_marked")
+            return blocks, computed, junction(vllm_junction, position)
+        position = int(instructions) // alignment * alignment
+        if 0 < position <= computed:
+            self._keep_recent(coordinator, request, position)
+        return answer
+
+    def _keep_recent(self, coordinator: Any, request: Any, position: int) -> None:
+        """The request shares the checkpoint at ``position`` but its hit reaches past it, so
+        vLLM touches none of the checkpoint's sparse blocks: move them to the most recently
+        used end of the free queue, as if it had."""
+        hash_blocks = position // coordinator.hash_block_size
+        if not 0 < hash_blocks <= len(request.block_hashes):
+            return
+        key = request.block_hashes[hash_blocks - 1]
+        blocks = self.known.blocks(key)
+        if blocks is None:
+            blocks = self._find(coordinator, request, position)
+            if blocks is None:
+                return
+            self.known.remember(key, blocks)
+        refreshed = sum(self._queue.refresh(block) for block in blocks if block.ref_cnt == 0)
+        if refreshed:
+            self._counters.add("checkpoint_blocks_refreshed", refreshed)
+
+    def _find(self, coordinator: Any, request: Any, position: int) -> list[Any] | None:
+        """The sparse groups' blocks that hold the state at ``position`` (vLLM's own per-group
+        lookup), or None when some group keeps no state there."""
+        hits, lengths = coordinator.find_longest_cache_hit_per_group(request.block_hashes, position)
+        found: list[Any] = []
+        for index in self._sparse:
+            if lengths[index] != position:
+                return None
+            found += [block for block in hits[index] if not block.is_null]
+        return found
