@@ -101,11 +101,13 @@ def measure_side(arch: str, side: str, interval: int) -> list[dict[str, Any]]:
     return rows
 
 
-def second_session(server: Any, seed: int, headers: list[dict[str, str] | None]) -> tuple[int, int]:
+def second_session(
+    server: Any, seed: int, headers: list[dict[str, str] | None], pairs: int = SYSTEM_PAIRS
+) -> tuple[int, int]:
     """Two new sessions with the same new instructions, one call each (``None``: through the
     hook, a session of its own): the second one's hit, and the tokens it shares with the first
     one's prompt."""
-    system = {"role": "system", "content": system_prompt(seed + 300, SYSTEM_PAIRS)}
+    system = {"role": "system", "content": system_prompt(seed + 300, pairs)}
     windows = [
         [system, {"role": "user", "content": f"Task {n}: " + text(seed + 500 + n, 30)}]
         for n in (1, 2)
@@ -120,10 +122,10 @@ def second_session(server: Any, seed: int, headers: list[dict[str, str] | None])
     return hit, shared(server, *windows)
 
 
-def subagents(server: Any, lead: str, seed: int) -> dict[str, int]:
+def subagents(server: Any, lead: str, seed: int, pairs: int = 400) -> dict[str, int]:
     """Two subagents of ``lead`` (Claude Code's headers) with the same instructions of their
     own: the second one's first call against the tokens it shares with the first's."""
-    system = {"role": "system", "content": "You are a search subagent. " + text(seed + 900, 400)}
+    system = {"role": "system", "content": "You are a search subagent. " + text(seed + 900, pairs)}
     windows = [
         [system, {"role": "user", "content": f"Task {n}: " + text(seed + 900 + n, 40)}]
         for n in (1, 2)

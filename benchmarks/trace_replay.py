@@ -9,6 +9,9 @@ replay`` runs), the simulator beside it:
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
 - ``vanilla-hooked``: vLLM without the plugin, the hook installed (it finds no plugin;
   no release is applied): what installing the hook costs where the plugin is absent;
+- ``vanilla-interval``: vLLM without the plugin, keeping a hybrid model's sliding-window and
+  Mamba state every 480 tokens (``--prefix-cache-retention-interval``, vLLM's own alternative
+  to the plugin's instructions' checkpoints; no effect on a one-group model);
 - ``release``: the plugin with its lifecycle off, the hook releasing in the request (LRU +
   release);
 - ``plugin-untold``: the plugin as shipped, no hook and no agent headers: nothing tells it a
@@ -40,6 +43,9 @@ call; the default ``chat`` through the ``openai`` SDK.
         --scenarios vanilla,lifecycle,child-idle,protect,no-parents --name coding_agents
     python -m benchmarks.trace_replay --traces agentinfer,project --api messages \
         --pools 0.1,0.25,0.5 --scenarios vanilla,lifecycle,agent-headers --name agent_headers
+    python -m benchmarks.trace_replay --traces agentinfer --api messages --scale 0.015625 \
+        --model .cache/tiny-gpt-oss --blocks 300,420 --max-model-len 8192 \
+        --scenarios vanilla,vanilla-interval,agent-headers,lifecycle --name hybrid_replay_gpt_oss
     python -m benchmarks.trace_replay --quick        # CI: the synthetic trace in all 4 formats
 
 Output: ``<out>/trace_replay[_quick].json`` and ``.md`` (default ``benchmarks/results``).
@@ -93,6 +99,8 @@ class Scenario:
     #: The hook runs in the client (``None``: where the plugin serves; ``False`` on the plugin:
     #: a client that tells it nothing; ``True`` on vanilla: what installing it costs there)
     hooked: bool | None = None
+    #: More vLLM arguments (``vanilla-interval``: vLLM's own retention interval)
+    vllm_args: tuple[str, ...] = ()
 
 
 def is_hooked(scenario: Scenario) -> bool:
@@ -105,6 +113,12 @@ NO_PREDICT = ("VLLM_AFFINITY_PREDICT_RETURN", "false")
 SCENARIOS = (
     Scenario("vanilla", plugin=False, lifecycle=False),
     Scenario("vanilla-hooked", plugin=False, lifecycle=False, hooked=True),
+    # a hybrid model's upstream alternative to the plugin's checkpoints: vLLM keeps the
+    # sliding-window and Mamba state every 480 tokens (a multiple of 32 and of 160)
+    Scenario(
+        "vanilla-interval", plugin=False, lifecycle=False,
+        vllm_args=("--prefix-cache-retention-interval", "480"),
+    ),
     Scenario("release", plugin=True, lifecycle=False, parents=False),
     Scenario("plugin-untold", plugin=True, lifecycle=True, hooked=False),
     Scenario("lifecycle", plugin=True, lifecycle=True, next_use="finish"),
@@ -139,8 +153,8 @@ SCENARIOS = (
 
 def render(trace: Trace, options: ReplayOptions, model: str | None) -> list[tuple[int, ...]]:
     """Every prompt's tokens, as vLLM renders them (``/tokenize``)."""
-    with VLLMServer(
-        model=model, plugin=False, num_blocks=1025, api_key=API_KEY, max_model_len=32768
+    with VLLMServer(  # a hybrid model's groups share the pool: room for each
+        model=model, plugin=False, num_blocks=4097, api_key=API_KEY, max_model_len=32768
     ) as server:
         tokens = tokenize(server.root_url, options, windows(trace, options, nonce=0))
     assert tokens is not None, "the server did not tokenize"
@@ -156,6 +170,7 @@ def run_scenario(
     cores: str,
     model: str | None = None,
     calls_out: Path | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[dict[str, Any], list[CallRecord]]:
     env = {
         "VLLM_AFFINITY_LIFECYCLE": "true" if scenario.lifecycle else "false",
@@ -165,8 +180,8 @@ def run_scenario(
     launcher, extra = (agentinfer_launcher(), AGENTINFER_ARGS) if scenario.peer else (None, ())
     with VLLMServer(
         model=model, plugin=scenario.plugin, num_blocks=blocks, api_key=API_KEY, env=env,
-        max_model_len=min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
-        launcher=launcher, extra_args=extra,
+        max_model_len=max_model_len or min((blocks - 1) * BLOCK_SIZE, 32768), cpu_cores=cores,
+        launcher=launcher, extra_args=(*extra, *scenario.vllm_args),
     ) as server:  # fmt: skip
         target = Target(
             scenario.name, server.base_url,
@@ -226,8 +241,11 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
         "working_set_blocks": working,
         "pools": [],
     }
-    for fraction in (float(f) for f in args.pools.split(",")):
-        blocks = max(math.ceil(fraction * working), longest + 1) + 1
+    for fraction in (float(f) for f in (args.blocks or args.pools).split(",")):
+        if args.blocks:  # a hybrid model's pool: every group draws from it, at its block size
+            blocks, fraction = int(fraction), round(fraction / working, 3)
+        else:
+            blocks = max(math.ceil(fraction * working), longest + 1) + 1
         say(f"  pool {fraction}x of {working} blocks: {blocks} blocks")
         pool = {"pool": fraction, "blocks": blocks, "scenarios": {}}
         first_vanilla: list[CallRecord] | None = None
@@ -245,8 +263,9 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
                     else None
                 )
                 summary, calls[scenario.name] = run_scenario(
-                    trace, scenario, blocks, options, tokens, args.cores, args.model, calls_out
-                )
+                    trace, scenario, blocks, options, tokens, args.cores, args.model, calls_out,
+                    args.max_model_len,
+                )  # fmt: skip
                 pool["scenarios"][name] = summary
             # per call, against this round's vanilla; a later round's vanilla against the
             # first's: the measurement's floor
@@ -426,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
         "--model", help="the model every server serves (default: the small local test model; "
         "on a GPU machine a real one: benchmarks/compare_all.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--blocks", help="pool sizes in blocks instead of --pools (a hybrid model's: every "
+        "group draws from one pool; the pool column then gives blocks / the working set)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-model-len", type=int, help="vLLM's (default: what the pool holds, at most 32k)"
+    )
     parser.add_argument("--api", choices=("chat", "messages"), default="chat")
     parser.add_argument(
         "--end-sessions", action="store_true",

@@ -4,10 +4,11 @@ linear-attention (Mamba-style) groups sit beside full attention, all in one bloc
 
 Each model: a session grows over four turns, then compacts (system kept, the rest replaced by a
 summary), once through the hook and once through Claude Code's own session header (no hook).
-The compaction releases the stale blocks of every group, the next call still hits the kept
-prefix, and the engine's invariants hold. On the gpt-oss-shaped model, the memory squeeze runs
-side by side with vanilla vLLM: an older session's prefix (both groups) survives with the
-plugin and is evicted on vanilla."""
+The compaction releases the stale blocks of every group, its own first call and the next one
+hit the kept prefix, and the engine's invariants hold; a new session's and a subagent's first
+call hit the instructions an earlier one sent (the instructions' checkpoint). On the
+gpt-oss-shaped model, the memory squeeze runs side by side with vanilla vLLM: an older
+session's prefix (both groups) survives with the plugin and is evicted on vanilla."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 import jiuwen_hooks
+from benchmarks.hybrid_checkpoints import second_session, subagents
 from benchmarks.hybrid_models import (
     DENSE,
     Call,
@@ -46,6 +48,13 @@ def assert_every_group_released(compaction: Compaction) -> None:
     prompt's end and at prefixes shared with other requests): some are released too. The
     next call hits the compacted window."""
     compacted, after = compaction.calls[4], compaction.calls[5]
+    # the compaction's own first call hits the instructions it kept: the plugin kept every
+    # group's state at their end since the session's first call (vanilla: 0 or 32 tokens)
+    granularity = max(group["block_size"] for group in compaction.groups.values())
+    assert compacted.cached == compaction.kept_tokens // granularity * granularity, (
+        compaction.kept_tokens,
+        compaction.calls,
+    )
     for group, count in compaction.released.items():
         kind, block_size = compaction.groups[group]["kind"], compaction.groups[group]["block_size"]
         if kind in DENSE:
@@ -211,3 +220,33 @@ def test_a_compaction_told_from_claude_codes_header_releases_every_group(
     check_after(server)
     headers = {CLAUDE_CODE_SESSION_HEADER: f"hybrid-cc-{server.port}"}
     assert_every_group_released(grow_then_compact(server, seed=2, headers=headers))
+
+
+@pytest.mark.parametrize("through", ["hook", "headers"])
+def test_first_calls_hit_the_instructions_an_earlier_one_sent(
+    hybrid_server: VLLMServer,
+    through: str,
+    jiuwen_hook_factory: Callable[..., jiuwen_hooks.Hook],
+    check_after: Callable[[VLLMServer], None],
+) -> None:
+    """Two new sessions with the same instructions, then (Claude Code's headers) two subagents
+    of one lead with the same instructions of their own: the second one's first call hits what
+    it shares with the first, down to the model's hit granularity. Vanilla vLLM keeps a
+    sliding window's or Mamba state there only from a prefix's second appearance on, so its
+    second call hits none of it (0 to 64 tokens: a chat template's opening)."""
+    server = hybrid_server
+    check_after(server)
+    granularity = max(g["block_size"] for g in server.engine_stats()["groups"])
+    if through == "hook":
+        jiuwen_hook_factory(in_request=True)
+        hit, shared = second_session(server, 2 * server.port, [None, None], pairs=150)
+    else:
+        names = [{CLAUDE_CODE_SESSION_HEADER: f"new-{n}-{server.port}"} for n in (1, 2)]
+        hit, shared = second_session(server, 2 * server.port + 1, names, pairs=150)
+        lead = f"lead-{server.port}"
+        call(server, [{"role": "user", "content": text(3, 20)}], {CLAUDE_CODE_SESSION_HEADER: lead})
+        children = subagents(server, lead, server.port, pairs=150)
+        expected = children["subagent_shared"] // granularity * granularity
+        assert children["subagent_hit"] == expected, (children, granularity)
+    assert shared > 2 * granularity and hit == shared // granularity * granularity, (hit, shared)
+    assert server.engine_stats()["checkpoints_marked"] >= 1
