@@ -79,6 +79,12 @@ class _EngineCollector:
             "attention)",
             labels=["group", "kind", "action", "engine"],
         )
+        checkpoints = CounterMetricFamily(
+            "vllm_affinity_engine_checkpoints",
+            "Hybrid models: requests whose instructions' end became their junction (marked), "
+            "and checkpoint blocks a later request sharing them kept recent (blocks_refreshed)",
+            labels=["action", "engine"],
+        )
         children = GaugeMetricFamily(
             "vllm_affinity_running_subagents",
             "Subagent sessions that named a parent and have not ended their task",
@@ -107,6 +113,10 @@ class _EngineCollector:
             idled.add_metric([engine], stats.counter("blocks_idled"))
             protected.add_metric([engine], stats.counter("blocks_protected"))
             children.add_metric([engine], stats.children)
+            checkpoints.add_metric(["marked", engine], stats.counter("checkpoints_marked"))
+            checkpoints.add_metric(
+                ["blocks_refreshed", engine], stats.counter("checkpoint_blocks_refreshed")
+            )
             for group in stats.groups:
                 labels = [str(group.group), group.kind]
                 group_blocks.add_metric([*labels, "released", engine], group.blocks_released)
@@ -124,6 +134,7 @@ class _EngineCollector:
         yield idled
         yield protected
         yield group_blocks
+        yield checkpoints
         yield children
         yield sessions
         yield bindings
