@@ -44,7 +44,7 @@ call; the default ``chat`` through the ``openai`` SDK.
     python -m benchmarks.trace_replay --traces agentinfer,project --api messages \
         --pools 0.1,0.25,0.5 --scenarios vanilla,lifecycle,agent-headers --name agent_headers
     python -m benchmarks.trace_replay --traces agentinfer --api messages --scale 0.015625 \
-        --model .cache/tiny-gpt-oss --blocks 300,420 --max-model-len 8192 \
+        --model .cache/tiny-gpt-oss --blocks 300,420 --max-model-len 4096 --system-prompts \
         --scenarios vanilla,vanilla-interval,agent-headers,lifecycle --name hybrid_replay_gpt_oss
     python -m benchmarks.trace_replay --quick        # CI: the synthetic trace in all 4 formats
 
@@ -229,7 +229,7 @@ def replay_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     options = ReplayOptions(
         model=SERVED_NAME, api_key=API_KEY, scale=args.scale, speed=args.speed,
         concurrency=args.concurrency, max_output_tokens=MAX_OUTPUT, progress=not args.quiet,
-        api=args.api, end_sessions=args.end_sessions,
+        api=args.api, end_sessions=args.end_sessions, system_prompts=args.system_prompts,
     )  # fmt: skip
     say(f"{trace.format}: {trace.describe()}")
     tokens = render(trace, options, args.model)
@@ -453,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         "--max-model-len", type=int, help="vLLM's (default: what the pool holds, at most 32k)"
     )
     parser.add_argument("--api", choices=("chat", "messages"), default="chat")
+    parser.add_argument(
+        "--system-prompts", action="store_true",
+        help="each actor's instructions as a system prompt (the agentinfer trace says which)",
+    )  # fmt: skip
     parser.add_argument(
         "--end-sessions", action="store_true",
         help="the hook ends each session after its last call (jiuwen_hooks.end_session)",

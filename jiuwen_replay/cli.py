@@ -97,6 +97,12 @@ def replay_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-simulator", action="store_true")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--system-prompts",
+        action="store_true",
+        help="send each actor's instructions as a system prompt, where the trace says which "
+        "blocks they are (the agentinfer trace does), as agents send them",
+    )
     parser.add_argument("--out", default="replay-results")
     parser.add_argument("--name", help="file stem (default: replay_<format>)")
     return parser
@@ -129,6 +135,7 @@ def replay_main(argv: list[str]) -> int:
         end_sessions=args.end_sessions,
         api=args.api,
         parents=not args.no_parents,
+        system_prompts=args.system_prompts,
         progress=not args.quiet,
     )
     if args.baseline_url:

@@ -404,6 +404,7 @@ def read_agentinfer(path: Path, block_tokens: int = AGENTINFER_BLOCK_TOKENS) -> 
                 output_tokens=out,
                 parent=None if actor == "lead" else session,
                 input_tokens=tokens,
+                instructions=len(shared[role]),
             )
         )
     notes = {

@@ -8,6 +8,8 @@ share and adds the rest as one new message, so the hook's diff sees an append as
 rewrite as a release from the first changed message, as with a real agent. A session's first
 request takes the messages of the longest earlier prompt it starts with (the shared system
 prompt, a subagent's brief), so prefixes shared across sessions render to the same tokens.
+Where the trace says how many leading blocks are the actor's instructions, they can be one
+system message, as agents send them (``window(blocks, instructions)``).
 
 Pure: no I/O.
 """
@@ -68,9 +70,21 @@ class WindowBuilder:
             kept.append(new)
         return kept
 
-    def window(self, blocks: Sequence[int]) -> list[dict[str, Any]]:
-        """The chat messages for a prompt of ``blocks``."""
+    def window(self, blocks: Sequence[int], instructions: int = 0) -> list[dict[str, Any]]:
+        """The chat messages for a prompt of ``blocks``; its first ``instructions`` blocks, when
+        given, are one system message (the agent's instructions), the rest user messages."""
+        if 0 < instructions < len(blocks):
+            key = 0
+            for b in blocks[:instructions]:
+                key = hash((key, b))
+            self._boundaries.setdefault(key, (None, tuple(blocks[:instructions])))
+        turns = self.turns(blocks)
+        # a window of the instructions alone stays a user message (a chat needs one)
+        system = instructions > 0 and len(turns) > 1 and len(turns[0]) == instructions
         return [
-            {"role": "user", "content": "".join(self.text(b) for b in turn)}
-            for turn in self.turns(blocks)
+            {
+                "role": "system" if system and index == 0 else "user",
+                "content": "".join(self.text(b) for b in turn),
+            }
+            for index, turn in enumerate(turns)
         ]

@@ -94,6 +94,9 @@ class ReplayOptions:
     api: str = "chat"
     #: Hooked runs name each subagent's parent (``jiuwen_hooks.session(id, parent=...)``).
     parents: bool = True
+    #: Send each actor's instructions, where the trace says which blocks they are, as a system
+    #: prompt (as agents do; a hybrid model's server keeps their state: ``checkpoints.py``).
+    system_prompts: bool = False
     timeout: float = 600.0
     progress: bool = True
 
@@ -143,6 +146,8 @@ class RunResult:
 def windows(trace: Trace, options: ReplayOptions, nonce: int) -> list[list[dict[str, Any]]]:
     """Every request's chat window, built in trace order (``nonce``: content of this run only)."""
     builder = WindowBuilder(options.tokens_per_block(trace), nonce)
+    if options.system_prompts:
+        return [builder.window(r.blocks, r.instructions) for r in trace.requests]
     return [builder.window(r.blocks) for r in trace.requests]
 
 
@@ -220,9 +225,11 @@ async def _one_message(
     start = time.perf_counter()
     _CALL.set((record, start))
     try:
+        system = window[0]["content"] if window and window[0]["role"] == "system" else None
         stream = await client.messages.create(
             model=options.model,
-            messages=window,  # type: ignore[arg-type]
+            system=system if system is not None else anthropic.omit,
+            messages=window[1:] if system is not None else window,  # type: ignore[arg-type]
             max_tokens=options.max_tokens(output_tokens),
             stop_sequences=ANSWER_STOPS if answer else anthropic.omit,
             stream=True,

@@ -36,6 +36,9 @@ class TraceRequest:
     parent: str | None = None
     #: Prompt tokens as recorded (the blocks may round them up to a whole block).
     input_tokens: int | None = None
+    #: How many leading blocks are the actor's instructions (its system prompt), where the
+    #: trace says (0: not known): a replay with ``system_prompts`` sends them as one.
+    instructions: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ class Trace:
                 blocks = tuple(ids.setdefault(b, len(ids) * count + k) for b in r.blocks)
                 parent = f"{r.parent}~{k}" if r.parent is not None else None
                 copied.append(TraceRequest(f"{r.session}~{k}", r.at + k * stagger_s, blocks,
-                                           r.output_tokens, parent, r.input_tokens))  # fmt: skip
+                                           r.output_tokens, parent, r.input_tokens,
+                                           r.instructions))  # fmt: skip
         copied.sort(key=lambda r: r.at)
         notes = {**self.notes, "copies": count, "stagger_s": stagger_s}
         return Trace(self.format, self.block_tokens, tuple(copied), self.source, notes)

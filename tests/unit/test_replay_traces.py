@@ -90,6 +90,8 @@ def test_agentinfer_shares_each_role_system_prompt_and_compacts(tmp_path: Path) 
     assert not set(sub.blocks) & set(lead1.blocks)
     assert grown.blocks[: len(lead1.blocks)] == lead1.blocks
     assert compacted.blocks[:7] == system and len(compacted.blocks) == 7  # 600 tokens: system
+    assert {r.instructions for r in (lead1, lead2, grown, compacted)} == {7}
+    assert sub.instructions == 3000 // 128
     assert transitions(trace.requests)[-1] == "rewrite"
     assert trace.notes["dropped_failed"] == 1 and trace.notes["compactions"] == 1
 
@@ -172,6 +174,25 @@ def test_windows_share_what_the_blocks_share_and_diff_like_an_agent() -> None:
     assert WindowBuilder(4).window((0, 1, 2, 3)) == first
     assert WindowBuilder(4, nonce=1).window((0, 1, 2, 3)) != first
     assert all(len(builder.text(b).split()) == 4 for b in range(10))
+
+
+def test_instructions_are_one_system_message_shared_across_sessions() -> None:
+    """With the trace's instruction blocks, every window starts with them as one system
+    message, also the first session's first window (one message before), and a compaction
+    down to them keeps it."""
+    builder = WindowBuilder(tokens_per_block=4)
+    first = builder.window((0, 1, 2, 3), instructions=2)
+    assert [m["role"] for m in first] == ["system", "user"]
+    assert first[0]["content"] == builder.text(0) + builder.text(1)
+    other = builder.window((0, 1, 7, 8), instructions=2)  # another session, same instructions
+    assert other[0] == first[0] and other[1] != first[1]
+    grown = builder.window((0, 1, 2, 3, 4), instructions=2)
+    assert grown[:2] == first and [m["role"] for m in grown[2:]] == ["user"]
+    assert builder.window((0, 1), instructions=2) == [
+        {"role": "user", "content": first[0]["content"]}
+    ]
+    # without the count, as before: user messages only
+    assert {m["role"] for m in WindowBuilder(4).window((0, 1, 2, 3))} == {"user"}
 
 
 def test_next_call_gaps_and_describe() -> None:
