@@ -63,15 +63,25 @@ def computed(result: dict[str, float]) -> int:
     return int(result["query_tokens"] - result["hit_tokens"])
 
 
-def grid(name: str, trace: Trace, pools: tuple[float, ...], per_block: int) -> list[dict[str, Any]]:
+def grid(
+    name: str,
+    trace: Trace,
+    pools: tuple[float, ...],
+    per_block: int,
+    shapes: tuple[str, ...] = tuple(SHAPES),
+    blocks: bool = False,
+) -> list[dict[str, Any]]:
+    """One row per shape and pool (``blocks``: the pools are sizes in blocks, not fractions of
+    the working set)."""
     calls = requests(trace)
     rows = []
-    for shape, (kind, groups, window, scale) in SHAPES.items():
+    for shape in shapes:
+        kind, groups, window, scale = SHAPES[shape]
         model = HybridModel(per_block * scale, kind, groups, window)
         whole = working_set([Request(c.session, c.tokens) for c in calls], model.block)
         interval = max(1, INTERVAL_BLOCKS // scale)
         for pool in pools:
-            capacity = max(1, int(pool * whole))
+            capacity = int(pool) if blocks else max(1, int(pool * whole))
             try:
                 row = {
                     policy: computed(simulate_hybrid(calls, capacity, model, policy, interval))
@@ -81,7 +91,8 @@ def grid(name: str, trace: Trace, pools: tuple[float, ...], per_block: int) -> l
                 continue  # the pool cannot hold the longest call
             bound = computed(full_attention_bound(calls, capacity, model))
             rows.append(
-                {"trace": name, "shape": shape, "pool": pool, "blocks": capacity, **row,
+                {"trace": name, "shape": shape, "pool": None if blocks else pool,
+                 "blocks": capacity, **row,
                  "bound": bound}
             )  # fmt: skip
     return rows
@@ -103,7 +114,8 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
     for r in rows:
         base = r["lru"] or 1
         lines.append(
-            f"| {r['trace']} | {r['shape']} | {r['pool']}x | {r['blocks']} | {r['lru']:,} "
+            f"| {r['trace']} | {r['shape']} | {'-' if r['pool'] is None else f'{r['pool']}x'} "
+            f"| {r['blocks']} | {r['lru']:,} "
             f"| {r['interval']:,} | {r['release']:,} | {r['checkpoint']:,} "
             f"| {r['checkpoint'] / base:.3f} | {r['bound']:,} |"
         )
@@ -114,11 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default="synthetic", help="synthetic, or format=path,...")
     parser.add_argument("--pools", default=",".join(map(str, POOLS)))
+    parser.add_argument("--blocks", help="pool sizes in blocks instead of --pools")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=", ".join(SHAPES))
     parser.add_argument("--per-block", type=int, default=1, help="trace blocks per cache block")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="hybrid_sim")
     args = parser.parse_args(argv)
-    pools = tuple(float(p) for p in args.pools.split(","))
+    pools = tuple(float(p) for p in (args.blocks or args.pools).split(","))
+    shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown shapes {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.traces.split(","):
@@ -130,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 named = {fmt: read_trace(found, fmt)}
             for name, trace in named.items():
                 print(f"{name}: {trace.describe()['requests']} calls ...", file=sys.stderr)
-                rows += grid(name, trace, pools, args.per_block)
+                rows += grid(name, trace, pools, args.per_block, shapes, bool(args.blocks))
     command = "python -m benchmarks.hybrid_sim " + " ".join(argv or sys.argv[1:])
     text = markdown(rows, command.strip())
     write_outputs(Path(args.out), args.name, {"command": command.strip(), "rows": rows}, text)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from jiuwen_replay.hybrid_simulator import (
@@ -89,3 +91,21 @@ def test_instruction_lengths_are_what_two_sessions_share() -> None:
     assert instruction_lengths(sessions, prompts, keys) == [3, 3, 3, 0]
     # instructions one session alone sends: none known
     assert instruction_lengths(["a"], [(1, 2)], [("y",)]) == [0]
+
+
+def test_the_hybrid_grid_never_computes_more_than_vanilla(tmp_path: Path) -> None:
+    """``benchmarks/hybrid_sim``'s grid on the synthetic trace in every format, three hybrid
+    shapes: the plugin (release and the instructions' checkpoint) computes no more prompt tokens
+    than vanilla in any cell, and no cell beats the full-attention Belady bound."""
+    from benchmarks.hybrid_sim import POOLS, grid
+    from benchmarks.never_worse_sim import synthetic_traces
+
+    rows = []
+    for name, trace in synthetic_traces(tmp_path).items():
+        rows += grid(name, trace, POOLS, per_block=1)
+    assert len(rows) >= 20 and {r["shape"] for r in rows} == {"gpt-oss", "gemma3", "qwen3-next"}
+    worse = [r for r in rows if r["checkpoint"] > r["lru"]]
+    assert not worse, worse
+    assert any(r["checkpoint"] < r["lru"] for r in rows)  # the grid tells the two apart
+    policies = ("lru", "interval", "release", "checkpoint")
+    assert all(r["bound"] <= min(r[p] for p in policies) for r in rows)
