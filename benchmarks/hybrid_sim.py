@@ -113,8 +113,9 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
     ]
     for r in rows:
         base = r["lru"] or 1
+        pool = "-" if r["pool"] is None else f"{r['pool']}x"
         lines.append(
-            f"| {r['trace']} | {r['shape']} | {'-' if r['pool'] is None else f'{r['pool']}x'} "
+            f"| {r['trace']} | {r['shape']} | {pool} "
             f"| {r['blocks']} | {r['lru']:,} "
             f"| {r['interval']:,} | {r['release']:,} | {r['checkpoint']:,} "
             f"| {r['checkpoint'] / base:.3f} | {r['bound']:,} |"
