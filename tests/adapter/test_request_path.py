@@ -55,6 +55,7 @@ def test_the_steps_read_like_the_requests_path() -> None:
         "next_use",
         "engine",
         "release_hint",
+        "checkpoint",
     ]
 
 
@@ -76,6 +77,9 @@ def test_each_step_alone() -> None:
     request_path.release_hint(path)
     assert path.request.vllm_xargs[HINT_KEY] == "messages_released_index=2"
     assert counted == ["accepted"]
+    before = dict(path.request.vllm_xargs)
+    asyncio.run(request_path.checkpoint(path))  # no plugin routes: no engine to ask
+    assert path.request.vllm_xargs == before
     assert finish(path, "the call") == "the call"  # no session: not watched
 
 
@@ -252,3 +256,27 @@ def test_a_table_that_cannot_be_asked_leaves_the_request_as_it_is(
         asyncio.run(request_path.implicit_session(path))
     assert path.chain is None and path.request.session_id is None
     assert "could not link a request" in caplog.text
+
+
+def test_instructions_key_names_the_instructions_whatever_follows() -> None:
+    """The checkpoint's render is cached by this key: the same system prompt and tools give
+    one key across sessions and turns; other instructions or tools another; none, None."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    from vllm_affinity.instructions import instructions_key
+
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+
+    def chat(system: str | None, user: str, tools: list[Any] | None = None) -> Any:
+        head = [{"role": "system", "content": system}] if system else []
+        messages = [*head, {"role": "user", "content": user}]
+        return ChatCompletionRequest(model="m", messages=messages, tools=tools)
+
+    key = instructions_key(chat("You are A.", "first"))
+    assert key is not None and key == instructions_key(chat("You are A.", "another task"))
+    assert instructions_key(chat("You are B.", "first")) != key
+    assert instructions_key(chat("You are A.", "first", [tool])) not in (None, key)
+    assert instructions_key(chat(None, "no instructions")) is None
+    responses = ResponsesRequest(model="m", input="hi", instructions="You are A.")
+    assert instructions_key(responses) is not None
