@@ -10,7 +10,7 @@ group have ``block`` tokens, as on the shapes here):
   block. A request keeps states at its replay boundary (``(tokens - 1) // block``), at its
   junction (vanilla: where full attention hit further than the sparse groups; the plugin: also
   its instructions' end, the later of the two, ``vllm_affinity/checkpoints.py``) and, with a
-  retention interval, every ``interval`` blocks.
+  retention interval, every ``interval`` blocks (sliding-window groups only, as vLLM 0.32).
 - **A hit** is the longest boundary, within the full-attention hit, at which every sparse
   group holds its state (0 is always one).
 
@@ -164,7 +164,8 @@ class _HybridCache:
         elif 0 < mark <= hit:
             self.refresh(hashes, mark)
         boundaries = {limit, junction} - {0}
-        if self.policy == "interval" and self.interval:
+        # vLLM 0.32 applies the interval to sliding-window groups only ("Only SWA acts on it")
+        if self.policy == "interval" and self.interval and model.sparse_kind == "sliding_window":
             boundaries |= set(range(self.interval, len(hashes) + 1, self.interval))
         used = [self.where[(0, hashes[i])] for i in range(hit)]
         used += [
