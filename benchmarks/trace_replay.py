@@ -44,7 +44,7 @@ call; the default ``chat`` through the ``openai`` SDK.
     python -m benchmarks.trace_replay --traces agentinfer,project --api messages \
         --pools 0.1,0.25,0.5 --scenarios vanilla,lifecycle,agent-headers --name agent_headers
     python -m benchmarks.trace_replay --traces agentinfer --api messages --scale 0.015625 \
-        --model .cache/tiny-gpt-oss --blocks 300,420 --max-model-len 4096 --system-prompts \
+        --model .cache/tiny-gpt-oss --blocks 160,240 --max-model-len 2048 --system-prompts \
         --scenarios vanilla,vanilla-interval,agent-headers,lifecycle --name hybrid_replay_gpt_oss
     python -m benchmarks.trace_replay --quick        # CI: the synthetic trace in all 4 formats
 
