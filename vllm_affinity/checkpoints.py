@@ -64,6 +64,7 @@ class InstructionCheckpoints:
             if position > vllm_junction and not getattr(request, "_jiuwen_checkpoint", 0):
                 request._jiuwen_checkpoint = position  # counted once (a lookup may repeat)
                 self._counters.add("checkpoints_marked")
+            self.known.forget(self._key(coordinator, request, position))  # being made now
             return blocks, computed, junction(vllm_junction, position)
         position = int(instructions) // alignment * alignment
         if 0 < position <= computed:
@@ -74,27 +75,32 @@ class InstructionCheckpoints:
         """The request shares the checkpoint at ``position`` but its hit reaches past it, so
         vLLM touches none of the checkpoint's sparse blocks: move them to the most recently
         used end of the free queue, as if it had."""
-        hash_blocks = position // coordinator.hash_block_size
-        if not 0 < hash_blocks <= len(request.block_hashes):
+        key = self._key(coordinator, request, position)
+        if key is None:
             return
-        key = request.block_hashes[hash_blocks - 1]
         blocks = self.known.blocks(key)
-        if blocks is None:
+        if blocks is None:  # not known: vLLM's lookup, once ([]: no state there)
             blocks = self._find(coordinator, request, position)
-            if blocks is None:
-                return
             self.known.remember(key, blocks)
         refreshed = sum(self._queue.refresh(block) for block in blocks if block.ref_cnt == 0)
         if refreshed:
             self._counters.add("checkpoint_blocks_refreshed", refreshed)
 
-    def _find(self, coordinator: Any, request: Any, position: int) -> list[Any] | None:
+    @staticmethod
+    def _key(coordinator: Any, request: Any, position: int) -> Any:
+        """The checkpoint's key: the prompt's block hash at ``position`` (None: not hashed)."""
+        hash_blocks = position // coordinator.hash_block_size
+        if not 0 < hash_blocks <= len(request.block_hashes):
+            return None
+        return request.block_hashes[hash_blocks - 1]
+
+    def _find(self, coordinator: Any, request: Any, position: int) -> list[Any]:
         """The sparse groups' blocks that hold the state at ``position`` (vLLM's own per-group
-        lookup), or None when some group keeps no state there."""
+        lookup); none when some group keeps no state there."""
         hits, lengths = coordinator.find_longest_cache_hit_per_group(request.block_hashes, position)
         found: list[Any] = []
         for index in self._sparse:
             if lengths[index] != position:
-                return None
+                return []
             found += [block for block in hits[index] if not block.is_null]
         return found

@@ -67,3 +67,14 @@ def test_checkpoints_are_bounded_least_recently_used_out() -> None:
     assert known.blocks("c") is None and known.blocks("b") is not None
     with pytest.raises(ValueError, match="max_entries"):
         Checkpoints(0)
+
+
+def test_a_known_miss_is_remembered_until_forgotten() -> None:
+    """No state at a checkpoint: remembered as such (no lookup on every request), until a
+    request makes the checkpoint again."""
+    known = Checkpoints(max_entries=4)
+    known.remember("k", [])
+    assert known.blocks("k") == []
+    known.forget("k")
+    assert known.blocks("k") is None
+    known.forget("never known")  # harmless

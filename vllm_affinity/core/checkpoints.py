@@ -59,7 +59,8 @@ class Checkpoints:
 
     def blocks(self, key: Hashable) -> list[Any] | None:
         """The blocks of ``key``'s checkpoint, or None when unknown or no longer valid (one of
-        them was reused: the state is gone)."""
+        them was reused: the state is gone). ``[]``: known to hold no state (remembered so, so
+        that the lookup is not repeated on every request; ``forget`` it when one is made)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -68,6 +69,10 @@ class Checkpoints:
             return None
         self._entries.move_to_end(key)
         return [block for block, _ in entry]
+
+    def forget(self, key: Hashable) -> None:
+        """A request is making ``key``'s checkpoint (again): what was known of it is stale."""
+        self._entries.pop(key, None)
 
     def remember(self, key: Hashable, blocks: Sequence[Any]) -> None:
         """``blocks`` hold ``key``'s checkpoint now (the least recently used entry goes)."""
