@@ -198,8 +198,10 @@ async def checkpoint(path: RequestPath) -> None:
     service = path.service
     if service is None or not hasattr(path.request, "vllm_xargs"):
         return
+    if not await service.sparse_groups():  # a one-group model: nothing to keep, nothing paid
+        return
     key = instructions_key(path.request)
-    if key is None or not await service.sparse_groups():
+    if key is None:
         return
     tokens = await service.instructions.tokens(key, path.request)
     if tokens:
