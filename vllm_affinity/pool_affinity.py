@@ -97,6 +97,7 @@ class PoolAffinity:
         self._strip_group = get_block_hash
         self._max_sessions = settings.max_sessions
         self.counters = Counters(COUNTER_NAMES)
+        self._checkpoints = settings.checkpoints
         #: A side branch's instruction length (its latest request's ``HEAD_KEY``).
         self._side_heads: OrderedDict[str, int] = OrderedDict()
         self.groups: tuple[KVGroup, ...] = ()
@@ -129,7 +130,7 @@ class PoolAffinity:
         #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
         self.checkpoints = (
             InstructionCheckpoints(self.queue, groups, self.counters, self._max_sessions)
-            if has_sparse_groups(groups)
+            if self._checkpoints and has_sparse_groups(groups)
             else None
         )
         if self._picker is None and len(groups) > 1:

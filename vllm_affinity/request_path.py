@@ -196,7 +196,7 @@ async def checkpoint(path: RequestPath) -> None:
     not: the engine keeps those groups' state there (``checkpoints.py``). A render that fails
     leaves the request as vanilla's."""
     service = path.service
-    if service is None or not hasattr(path.request, "vllm_xargs"):
+    if service is None or not path.settings.checkpoints or not hasattr(path.request, "vllm_xargs"):
         return
     if not await service.sparse_groups():  # a one-group model: nothing to keep, nothing paid
         return

@@ -76,6 +76,9 @@ class Settings:
     #: told by the answers each window carries back (``core/answer_chains.py``): ``answers``;
     #: ``off``, the default, serves them as vanilla vLLM does.
     implicit_sessions: str = "off"
+    #: On a model with a sliding-window or Mamba group, keep that state at the end of each
+    #: request's instructions (``checkpoints.py``); off: vLLM's own junctions only.
+    checkpoints: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -106,6 +109,7 @@ class Settings:
             infer_compaction=_choice(
                 env, "VLLM_AFFINITY_INFER_COMPACTION", ("agents", "all", "off"), "agents"
             ),
+            checkpoints=_flag(env, "VLLM_AFFINITY_CHECKPOINTS", True),
         )
 
 

@@ -391,6 +391,13 @@ def test_a_later_turn_keeps_the_checkpoint_it_shares_recent() -> None:
     assert not state.check(idle=True)
 
 
-def test_a_one_group_model_has_no_checkpoints() -> None:
-    state = state_of(make_manager(16))
-    assert state.checkpoints is None
+def test_a_one_group_model_has_no_checkpoints_and_a_setting_turns_them_off() -> None:
+    from vllm_affinity.pool_affinity import PoolAffinity
+    from vllm_affinity.settings import Settings
+
+    assert state_of(make_manager(16)).checkpoints is None
+    hybrid = make_hybrid_manager(64, [sliding(), full()])
+    assert state_of(hybrid).checkpoints is not None
+    off = PoolAffinity(hybrid.block_pool, Settings.from_env({"VLLM_AFFINITY_CHECKPOINTS": "false"}))
+    off.attach_groups(state_of(hybrid).groups)
+    assert off.checkpoints is None
