@@ -141,9 +141,18 @@ def read_project(path: Path) -> Trace:
                 output_tokens=_field(row, "output_tokens", int, where),
                 parent=parent,
                 input_tokens=row.get("input_tokens"),
+                instructions=_instructions(row, where),
             )
         )
     return Trace("project", block_tokens, _in_time_order(requests), str(path))
+
+
+def _instructions(row: dict[str, Any], where: str) -> int:
+    """A row's leading instruction blocks (optional; 0: not known)."""
+    value = row.get("instructions", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TraceFormatError(f"{where}: 'instructions' must be a count of blocks (0 or more)")
+    return value
 
 
 def write_project(trace: Trace, path: str | Path) -> None:
@@ -160,6 +169,8 @@ def write_project(trace: Trace, path: str | Path) -> None:
                 row["parent"] = r.parent
             if r.input_tokens is not None:
                 row["input_tokens"] = r.input_tokens
+            if r.instructions:
+                row["instructions"] = r.instructions
             out.write(json.dumps(row) + "\n")
 
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_affinity.core import common_prefix_length
+from vllm_affinity.core.checkpoints import instructions_end
 
 from .simulator import CapacityError, block_hashes, simulate
 
@@ -91,6 +92,9 @@ class _HybridCache:
         self.owners: dict[int, set[str]] = {}
         self.latest: dict[str, list[int]] = {}
         self.ids = itertools.count()
+        # the tokens a state spans in the pool, summed over the sparse groups
+        window = model.window_blocks if model.sparse_kind == "sliding_window" else 1
+        self._span = window * model.block * model.sparse_groups
 
     # -- lookups ------------------------------------------------------------------------------
     def _has_state(self, hashes: Sequence[int], boundary: int) -> bool:
@@ -158,7 +162,9 @@ class _HybridCache:
         limit = (len(request.tokens) - 1) // block
         hit, full = self.hit(hashes, limit)
         junction = full if full > hit else 0
-        mark = request.instructions // block if self.policy == "checkpoint" else 0
+        mark = 0
+        if self.policy == "checkpoint":  # the plugin's rule: instructions longer than the state
+            mark = instructions_end(request.instructions, block, self._span) // block
         if hit < mark and mark * block < len(request.tokens):
             junction = max(junction, mark)
         elif 0 < mark <= hit:

@@ -1,6 +1,7 @@
 """A small agent trace made here: for a quick run, the tests, and a sample of the project format.
 
-Leads share one system prompt and their subagents another; each call appends a tool result (a
+Leads share one system prompt and their subagents another (each request says how many leading
+blocks are its instructions); each call appends a tool result (a
 few blocks) to its session's prompt, and a session compacts (keeps its system prompt, then one
 summary block) once its prompt passes ``compact_after`` blocks. Calls of a session are
 ``tool_gap`` seconds apart; after each burst of ``burst`` calls it waits ``think_gap`` seconds
@@ -51,7 +52,12 @@ def generate(config: SyntheticConfig = SyntheticConfig()) -> Trace:
         blocks = (*lead_system, next(ids))
         subagents = 0
         for call in range(config.calls_per_session):
-            requests.append(TraceRequest(lead, round(at, 3), blocks, config.output_tokens))
+            requests.append(
+                TraceRequest(
+                    lead, round(at, 3), blocks, config.output_tokens,
+                    instructions=len(lead_system),
+                )
+            )  # fmt: skip
             if call and call % config.subagent_every == 0:
                 name = f"{lead}/sub{subagents}"
                 subagents += 1
@@ -59,7 +65,12 @@ def generate(config: SyntheticConfig = SyntheticConfig()) -> Trace:
                 for _ in range(config.subagent_calls):
                     requests.append(
                         TraceRequest(
-                            name, round(sub_at, 3), sub_blocks, config.output_tokens, parent=lead
+                            name,
+                            round(sub_at, 3),
+                            sub_blocks,
+                            config.output_tokens,
+                            parent=lead,
+                            instructions=len(sub_system),
                         )
                     )
                     sub_at += config.tool_gap

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core.checkpoints import Checkpoints, checkpoint_position, junction
+from .core.checkpoints import Checkpoints, checkpoint_position, instructions_end, junction
 from .core.counters import Counters
 from .core.groups import KVGroup
 from .core.queue import SegmentedFreeBlockQueue
@@ -48,6 +48,7 @@ class InstructionCheckpoints:
         self._sparse = [group.index for group in groups if group.kind not in DENSE_KINDS]
         self._counters = counters
         self.known = Checkpoints(max_entries)
+        self._span: int | None = None  # the state's span in tokens, read on first use
 
     def on_lookup(self, coordinator: Any, request: Any, answer: tuple[Any, int, int]) -> Any:
         """vLLM's prefix lookup for ``request`` (blocks, computed tokens, junction), with the
@@ -59,14 +60,15 @@ class InstructionCheckpoints:
         blocks, computed, vllm_junction = answer
         alignment = coordinator.scheduler_block_size
         prompt = request.num_prompt_tokens
-        position = checkpoint_position(int(instructions), alignment, computed, prompt)
+        span = self._state_span(coordinator)
+        position = checkpoint_position(int(instructions), alignment, computed, prompt, span)
         if position:
             if position > vllm_junction and not getattr(request, "_jiuwen_checkpoint", 0):
                 request._jiuwen_checkpoint = position  # counted once (a lookup may repeat)
                 self._counters.add("checkpoints_marked")
             self.known.forget(self._key(coordinator, request, position))  # being made now
             return blocks, computed, junction(vllm_junction, position)
-        position = int(instructions) // alignment * alignment
+        position = instructions_end(int(instructions), alignment, span)
         if 0 < position <= computed:
             self._keep_recent(coordinator, request, position)
         return answer
@@ -85,6 +87,19 @@ class InstructionCheckpoints:
         refreshed = sum(self._queue.refresh(block) for block in blocks if block.ref_cnt == 0)
         if refreshed:
             self._counters.add("checkpoint_blocks_refreshed", refreshed)
+
+    def _state_span(self, coordinator: Any) -> int:
+        """The tokens the sparse groups' state at one position spans in the pool: a sliding
+        window's (vLLM's spec), a Mamba state's block; summed over the groups (once)."""
+        if self._span is None:
+            span = 0
+            for index in self._sparse:
+                manager = coordinator.single_type_managers[index]
+                spec = coordinator.kv_cache_config.kv_cache_groups[index].kv_cache_spec
+                window = getattr(spec, "sliding_window", None)
+                span += max(window or 0, manager.block_size)
+            self._span = span
+        return self._span
 
     @staticmethod
     def _key(coordinator: Any, request: Any, position: int) -> Any:

@@ -175,8 +175,10 @@ def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
     tmp_path: Path,
     check_after: Callable[[VLLMServer], None],
 ) -> None:
-    """The synthetic agent trace (compactions, tool loops, several sessions) through the hook on
-    the gpt-oss-shaped model's tight pool, against vanilla with the same pool."""
+    """The synthetic agent trace (compactions, tool loops, several sessions; each actor's
+    instructions a system prompt) through the hook on the gpt-oss-shaped model's tight pool,
+    against vanilla with the same pool: releases and the instructions' checkpoints together
+    compute no more than vanilla."""
     plugin, vanilla = gpt_oss_pair
     check_after(plugin)
     trace = tmp_path / "synthetic.project.jsonl"
@@ -188,6 +190,7 @@ def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
         "--base-url", plugin.base_url,
         "--baseline-url", vanilla.base_url,
         "--model", SERVED_NAME, "--scale", "0.5", "--copies", "3", "--max-output-tokens", "4",
+        "--system-prompts",
         "--no-plot", "--quiet", "--out", str(tmp_path), "--name", "hybrid",
     ]  # fmt: skip
     assert replay_main(args) == 0
@@ -197,6 +200,8 @@ def test_a_trace_replay_at_a_tight_pool_computes_no_more_than_vanilla(
         assert run["errors"] == 0 and run["calls"] == result["trace"]["requests"], run
     assert hooked["releases"]["in_request"] > 0, hooked["releases"]
     assert hooked["computed_tokens"] <= baseline["computed_tokens"], (hooked, baseline)
+    # each actor's instructions went out as a system prompt: their checkpoints were kept
+    assert plugin.engine_stats()["checkpoints_marked"] > 0
 
 
 def test_a_compaction_through_the_hook_releases_every_group(

@@ -15,7 +15,8 @@ request that reaches past it (a session's later turns hit their own prompt ends,
 checkpoint) can keep it as recent as the last request that shares it: LRU takes it only after
 the blocks no such request used more lately. Bound: one checkpoint per distinct instructions
 (``max_entries``, least recently used out), each the blocks vLLM's own junction would keep
-(a window's worth per sliding-window group, one state per Mamba group).
+(a window's worth per sliding-window group, one state per Mamba group); instructions no longer
+than that state are not kept.
 """
 
 from __future__ import annotations
@@ -25,14 +26,27 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 
-def checkpoint_position(instructions: int, alignment: int, computed: int, prompt: int) -> int:
-    """The position, in tokens, at which a request should keep its sparse groups' state for
-    its ``instructions`` (their length in tokens): their end, floored to ``alignment`` (the
-    granularity of a hit). 0 when there is nothing to keep: the request's hit (``computed``
-    tokens) already reaches it, or the prompt ends there (vLLM keeps a prompt's end anyway)."""
+def instructions_end(instructions: int, alignment: int, state_span: int = 0) -> int:
+    """Where a checkpoint for ``instructions`` (their length in tokens) lies: their end,
+    floored to ``alignment`` (the granularity of a hit). 0, none, when the instructions are not
+    longer than ``state_span``, the tokens the sparse groups' state there spans in the pool (a
+    sliding window's, a Mamba state's block, summed over the groups): such a state costs as
+    many blocks as it saves (measured: the simulator's grid computed more than vanilla in a
+    cell where it was kept)."""
     if alignment < 1:
         raise ValueError(f"alignment {alignment}: expected a positive number of tokens")
     position = instructions // alignment * alignment
+    return position if position > state_span else 0
+
+
+def checkpoint_position(
+    instructions: int, alignment: int, computed: int, prompt: int, state_span: int = 0
+) -> int:
+    """The position, in tokens, at which a request should keep its sparse groups' state for
+    its ``instructions`` (``instructions_end``). 0 when there is nothing to keep: none, the
+    request's hit (``computed`` tokens) already reaches it, or the prompt ends there (vLLM
+    keeps a prompt's end anyway)."""
+    position = instructions_end(instructions, alignment, state_span)
     return position if computed < position < prompt else 0
 
 
