@@ -78,3 +78,14 @@ def test_a_known_miss_is_remembered_until_forgotten() -> None:
     known.forget("k")
     assert known.blocks("k") is None
     known.forget("never known")  # harmless
+
+
+def test_instructions_no_longer_than_the_state_get_no_checkpoint() -> None:
+    """A state that spans as many tokens as the instructions saves nothing (the simulator's
+    grid computed more than vanilla with one): none for them."""
+    from vllm_affinity.core.checkpoints import instructions_end
+
+    assert instructions_end(519, 32, state_span=128) == 512
+    assert instructions_end(150, 32, state_span=128) == 0  # floored to 128: not longer
+    assert checkpoint_position(150, 32, 0, 900, state_span=128) == 0
+    assert checkpoint_position(519, 32, 0, 900, state_span=384) == 512  # three windows
