@@ -27,6 +27,7 @@ import openai
 import jiuwen_hooks
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from jiuwen_replay.output import write_json
+from vllm_affinity.checkpoints import DENSE_KINDS
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.hybrid_model import build_hybrid
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
@@ -37,7 +38,7 @@ ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next", "deepseek-v3")
 #: on CPUs without AMX (nothing to release there); ``--archs deepseek-v3`` runs it all the same.
 DEFAULT_ARCHS = ARCHS[:4]
 #: The kinds of group whose every block is cached (prefix caching keeps them densely).
-DENSE = ("full_attention", "mla_attention")
+DENSE = DENSE_KINDS
 
 
 def text(seed: int, pairs: int) -> str:

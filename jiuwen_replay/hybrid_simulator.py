@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from vllm_affinity.core import common_prefix_length
 from vllm_affinity.core.checkpoints import instructions_end
 
-from .simulator import CapacityError, block_hashes, simulate
+from .simulator import CapacityError, Request, block_hashes, simulate
 
 HYBRID_POLICIES = ("lru", "interval", "release", "checkpoint")
 _RELEASING = ("release", "checkpoint")
@@ -249,28 +249,5 @@ def full_attention_bound(
     """Belady with the whole pool given to full attention: what no policy on the hybrid pool
     can beat (a hybrid hit never exceeds full attention's, and its sparse groups only take
     blocks)."""
-    from .simulator import Request
-
     plain = [Request(r.session, r.tokens) for r in requests]
     return simulate(plain, capacity, "belady", model.block, generated)
-
-
-def instruction_lengths(
-    sessions: Sequence[str], tokens: Sequence[tuple[int, ...]], instructions: Sequence[object]
-) -> list[int]:
-    """Each request's instructions in tokens, as the server's two renders find them: the
-    tokens two sessions' prompts with the same instructions (``instructions``: any key, e.g.
-    the trace's instruction blocks; None: none) share. Instructions one session alone sends
-    count as the tokens its first prompt shares with any other first prompt of them (0)."""
-    first: dict[object, tuple[str, tuple[int, ...]]] = {}
-    length: dict[object, int] = {}
-    for session, prompt, key in zip(sessions, tokens, instructions, strict=True):
-        if key is None:
-            continue
-        seen = first.get(key)
-        if seen is None:
-            first[key] = (session, prompt)
-        elif seen[0] != session:
-            shared = common_prefix_length(seen[1], prompt)
-            length[key] = min(length.get(key, shared), shared)
-    return [0 if key is None else length.get(key, 0) for key in instructions]

@@ -353,8 +353,10 @@ def side_instructions_key(session: str, window: Window) -> str:
 async def with_instructions(service: ReleaseService, key: str, request: Any, call: Any) -> Any:
     """A subagent's request (or a side request) tells the engine how many of its leading
     tokens are instructions (``instructions.py``, cached under ``key``), which its end (or a
-    rewrite of its main thread) keeps; then vLLM handles it."""
-    tokens = await service.instructions.tokens(key, request)
+    rewrite of its main thread) keeps; then vLLM handles it. On a hybrid model the
+    ``checkpoint`` step rendered them already."""
+    known = (request.vllm_xargs or {}).get(CHECKPOINT_KEY)
+    tokens = known or await service.instructions.tokens(key, request)
     if tokens:
         request.vllm_xargs = {**(request.vllm_xargs or {}), HEAD_KEY: tokens}
     return await call

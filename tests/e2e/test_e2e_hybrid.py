@@ -29,6 +29,7 @@ from benchmarks.hybrid_models import (
     call,
     grow_then_compact,
     hybrid_vllm,
+    rendered,
     stale_blocks,
     text,
 )
@@ -36,6 +37,7 @@ from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from jiuwen_replay.cli import main as replay_main
 from jiuwen_replay.formats import WRITERS
 from jiuwen_replay.synthetic import SyntheticConfig, generate
+from vllm_affinity.core import common_prefix_length
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
 pytestmark = pytest.mark.e2e
@@ -255,3 +257,39 @@ def test_first_calls_hit_the_instructions_an_earlier_one_sent(
         assert children["subagent_hit"] == expected, (children, granularity)
     assert shared > 2 * granularity and hit == shared // granularity * granularity, (hit, shared)
     assert server.engine_stats()["checkpoints_marked"] >= 1
+
+
+def test_the_messages_api_keeps_the_instructions_checkpoint_too(
+    hybrid_server: VLLMServer, check_after: Callable[[VLLMServer], None]
+) -> None:
+    """Claude Code's own calls: ``/v1/messages`` with a ``system`` prompt and its session
+    header. A second session's first call hits the instructions the first one sent."""
+    import anthropic
+
+    server = hybrid_server
+    check_after(server)
+    granularity = max(g["block_size"] for g in server.engine_stats()["groups"])
+    system = "You are a coding agent. " + text(2 * server.port + 7, 150)
+    tasks = [f"Task {n}: " + text(n, 30) for n in (1, 2)]
+    hits = []
+    with anthropic.Anthropic(
+        base_url=server.root_url, api_key=server.api_key or "none", max_retries=0
+    ) as client:
+        for n, task in enumerate(tasks, 1):
+            reply = client.messages.create(
+                model=SERVED_NAME,
+                system=system,
+                messages=[{"role": "user", "content": task}],
+                max_tokens=8,
+                extra_headers={CLAUDE_CODE_SESSION_HEADER: f"messages-{n}-{server.port}"},
+            )
+            hits.append(reply.usage.cache_read_input_tokens or 0)
+    windows = [
+        [{"role": "system", "content": system}, {"role": "user", "content": t}] for t in tasks
+    ]
+    shared = common_prefix_length(*(rendered(server, w) for w in windows))
+    assert hits[0] <= 2 * 32, hits  # the first: a chat template's opening at most
+    assert shared > 2 * granularity and hits[1] == shared // granularity * granularity, (
+        hits,
+        shared,
+    )

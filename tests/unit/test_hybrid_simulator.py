@@ -10,7 +10,6 @@ from jiuwen_replay.hybrid_simulator import (
     HybridModel,
     HybridRequest,
     full_attention_bound,
-    instruction_lengths,
     simulate_hybrid,
 )
 from jiuwen_replay.simulator import CapacityError
@@ -82,15 +81,6 @@ def test_a_tight_pool_evicts_and_the_bound_is_full_attentions_belady() -> None:
         simulate_hybrid(calls, 40, SWA, "belady")
     with pytest.raises(ValueError, match="sparse_kind"):
         HybridModel(block=4, sparse_kind="mla")
-
-
-def test_instruction_lengths_are_what_two_sessions_share() -> None:
-    sessions = ["a", "a", "b", "c"]
-    prompts = [(1, 2, 3, 4, 5), (1, 2, 3, 4, 5, 6), (1, 2, 3, 9), (7, 8)]
-    keys = [("x",), ("x",), ("x",), None]
-    assert instruction_lengths(sessions, prompts, keys) == [3, 3, 3, 0]
-    # instructions one session alone sends: none known
-    assert instruction_lengths(["a"], [(1, 2)], [("y",)]) == [0]
 
 
 def test_the_hybrid_grid_never_computes_more_than_vanilla(tmp_path: Path) -> None:
