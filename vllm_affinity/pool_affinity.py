@@ -38,7 +38,7 @@ from .core import (
     SessionBlocks,
     first_stale_block,
 )
-from .core.compaction import owner_of, retried_branch, side_branch
+from .core.compaction import owner_of, retried_branch, settling_branch, side_branch
 from .core.counters import Counters
 from .core.groups import KVGroup
 from .core.idle_guard import IdleGuard
@@ -225,55 +225,35 @@ class PoolAffinity:
         return result
 
     def release_rewritten(self, session: str, chain: list[Any]) -> EngineRelease:
-        """A compaction told from the agent's own requests (``core/compaction.py``). The
-        session's side branch goes first (``_side_release``); a retry's replaced window goes
-        too, past what ``chain`` hits. Then the main thread's blocks ``chain`` cannot hit, also
-        when ``chain`` shares no block with them: the agent said the old window is gone. One
-        release in all."""
-        side = self._side_release(side_branch(session), session)
+        """A compaction told from the agent's own requests (``core/compaction.py``): the main
+        thread's blocks ``chain`` cannot hit, also when ``chain`` shares no block with them (the
+        agent said the old window is gone), and a retry's replaced window past what ``chain``
+        hits, in one release. The session's side branch is set apart to be settled by its
+        next side request (``_settle_side``): it may return to its prefix."""
+        self._move_branch(side_branch(session), settling_branch(session))
         retried = retried_branch(session)
+        also: list[ReleaseSelection] = []
         if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
             firsts = self._first_stale(retried, chain)
-            side += [t.select_release(retried, f) for t, f in zip(self.tables, firsts, strict=True)]
+            also = [t.select_release(retried, f) for t, f in zip(self.tables, firsts, strict=True)]
             for table in self.tables:
                 table.forget(retried)
-        return self.release_divergent(session, chain, "compaction", also=side)
+        return self.release_divergent(session, chain, "compaction", also=also)
 
-    def _side_release(self, branch: str, session: str) -> list[ReleaseSelection]:
-        """What of the side branch a rewrite of the main thread kills. A side request that
-        starts as the main thread does (its instructions: a compaction or suggestion request
-        carrying the conversation) is dead whole; blocks the main thread still holds stay
-        with it. One of another prompt (a title, a memory extractor, a summarizer) is sent
-        again with the same instructions: it keeps the blocks holding them (``HEAD_KEY``, as
-        its request said) and releases the conversation after them. With no length known, one
-        at least half as long as the main thread carried the conversation (dead whole), a
-        shorter one is kept whole."""
-        if branch not in self.sessions.latest:
-            return []
-        if self._starts_as(branch, session):
-            selections = [table.select_release(branch, 0) for table in self.tables]
-            for table in self.tables:
-                table.forget(branch)
-            return selections
-        head = self._side_heads.get(branch, 0)
-        if not head:  # unknown: dead whole if it carried the conversation (as long as half of it)
-            side, main = self.sessions.latest[branch], self.sessions.latest.get(session)
-            if main is None or 2 * side.num_prompt_tokens < main.num_prompt_tokens:
-                return []
-            head = 0
-        return [
-            table.select_release(branch, group.blocks_holding(head))
-            for table, group in zip(self.tables, self.groups, strict=True)
-        ]
+    def _move_branch(self, branch: str, to: str) -> None:
+        """``branch``'s finished record (and its instruction length) becomes ``to``'s."""
+        moved = [table.move(branch, to) for table in self.tables]
+        if any(moved):
+            self._note_side_head(to, self._side_heads.pop(branch, 0))
 
-    def _starts_as(self, branch: str, session: str) -> bool:
-        """Whether ``branch``'s latest request starts with ``session``'s first block."""
+    def _settle_side(self, settling: str, chain: list[Any]) -> None:
+        """The session's next side request says what of the side branch a rewrite left behind
+        it hits again: the rest is dead (in every group). Its instructions are kept whatever
+        the new prompt is (a side prompt of another kind may come between two of the same)."""
+        head = self._side_heads.pop(settling, 0)
+        self.release_divergent(settling, chain, "compaction", keep_tokens=head)
         for table in self.tables:
-            side_ids = table.latest[branch].block_ids if branch in table.latest else None
-            main_ids = table.latest[session].block_ids if session in table.latest else None
-            if side_ids and main_ids and HOLE not in (side_ids[0], main_ids[0]):
-                return side_ids[0] == main_ids[0]
-        return False
+            table.forget(settling)
 
     def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
         """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot
@@ -478,10 +458,16 @@ class PoolAffinity:
         mode: ReleaseMode,
         also: Sequence[ReleaseSelection] = (),
     ) -> EngineRelease:
-        """Release every group's selected blocks (and ``also``'s, counted as one release)."""
+        """Release every group's selected blocks (and ``also``'s, counted as one release).
+        ``selections`` holds one selection per group, in group order; ``also`` whole rounds
+        of them (one per branch released with the session)."""
+        groups = len(self._group_counts)
+        if len(also) % groups:
+            raise ValueError(f"{len(also)} selections are not whole rounds of {groups} groups")
         moved = pending = 0
-        for per_group in (selections, also):  # both: one selection per group, in group order
-            for counts, selection in zip(self._group_counts, per_group, strict=False):
+        for per_group in (selections, also):
+            for index, selection in enumerate(per_group):
+                counts = self._group_counts[index % groups]
                 results = Counter(
                     self.queue.release(self.pool.blocks[b]) for b in selection.block_ids
                 )
@@ -532,6 +518,9 @@ class PoolAffinity:
             self._apply_family(self.subagents.call(session, parent, head, family))
         if session == side_branch(owner_of(session)):
             self._note_side_head(session, int(extra.get(HEAD_KEY) or 0))
+            settling = settling_branch(owner_of(session))
+            if settling in self.sessions.latest:
+                self._settle_side(settling, request.block_hashes)
         retried = retried_branch(session)
         if RETRY_KEY in extra:
             for table in self.tables:  # the replaced window waits apart for the next one

@@ -651,6 +651,23 @@ def test_the_picker_leaves_a_block_of_no_session_to_lru() -> None:
     assert_no_leak(manager)
 
 
+def side_call(manager: Any, prompt: list[int], head: int = 0) -> list[int]:
+    """One finished side request of session ``cc`` (``head``: its instruction length, as the
+    API server told): its prompt's block ids."""
+    from vllm_affinity.core.compaction import side_branch
+    from vllm_affinity.engine import HEAD_KEY
+
+    side = make_request(
+        [*prompt, 1],
+        session=side_branch("cc"),
+        sampling_params=SamplingParams(max_tokens=4, extra_args={HEAD_KEY: head} if head else None),
+    )
+    state_of(manager).on_new_request(side, release_on_divergence=False)
+    blocks = run_prefill(manager, side)[: len(prompt) // BLOCK]
+    manager.free(side)
+    return blocks
+
+
 def rewrite_with_side_branch(
     side_blocks: int, head: int = 0, same_start: bool = False
 ) -> tuple[Any, Any, list[int]]:
@@ -658,8 +675,7 @@ def rewrite_with_side_branch(
     of which ``head`` tokens are instructions as the API server told; ``same_start``: it starts
     with the main thread's first block instead), then the main thread's compacted window (its
     first block kept) told as a rewrite."""
-    from vllm_affinity.core.compaction import side_branch
-    from vllm_affinity.engine import HEAD_KEY, REWRITE_KEY
+    from vllm_affinity.engine import REWRITE_KEY
 
     manager = make_manager(40)
     state = state_of(manager)
@@ -667,14 +683,7 @@ def rewrite_with_side_branch(
     run_prefill(manager, main)
     manager.free(main)
     start = tokens(0, 1) if same_start else tokens(5000, 1)
-    side = make_request(
-        [*start, *tokens(6000, side_blocks - 1), 1],
-        session=side_branch("cc"),
-        sampling_params=SamplingParams(max_tokens=4, extra_args={HEAD_KEY: head} if head else None),
-    )
-    state.on_new_request(side, release_on_divergence=False)
-    side_ids = run_prefill(manager, side)[:side_blocks]
-    manager.free(side)
+    side_ids = side_call(manager, [*start, *tokens(6000, side_blocks - 1)], head)
     params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
     compacted = make_request(
         [*tokens(0, 1), *tokens(900, 2), 1], session="cc", sampling_params=params
@@ -683,46 +692,67 @@ def rewrite_with_side_branch(
     return manager, state, side_ids
 
 
-def test_a_rewrite_keeps_a_side_branchs_own_instructions_and_releases_the_rest() -> None:
-    """Qwen Code's memory extractor, opencode's summarizer, Claude Code's title request: a
-    prompt of their own, sent again with the same instructions. A compaction of the main thread
-    releases what followed their instructions (the old conversation) and keeps the blocks that
-    hold them, the one straddling their end included."""
+def segments_of(manager: Any, block_ids: list[int]) -> list[Segment]:
+    state = state_of(manager)
+    return [state.queue.segment_of(manager.block_pool.blocks[b]) for b in block_ids]
+
+
+def test_a_rewrite_sets_a_side_branch_apart_until_the_next_side_request() -> None:
+    """A side request may return to its prefix (the Codex CLI's next compaction request
+    re-sends the old one's leading items): a rewrite releases the main thread's dead blocks
+    and none of the side branch's."""
+    from vllm_affinity.core.compaction import settling_branch, side_branch
+
     manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
-    segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids]
-    assert segments == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
-    assert state.stats().releases_compaction == 1
-    assert state.stats().block_released_compaction == 7 + 4  # the main thread's after its first
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 6
+    assert state.stats().block_released_compaction == 7  # the main thread's after its first
+    assert side_branch("cc") not in state.sessions.latest
+    assert settling_branch("cc") in state.sessions.latest
     assert_no_leak(manager)
 
 
-def test_a_rewrite_keeps_a_short_side_branch_whose_instructions_are_unknown() -> None:
-    """No instruction length told (a template the server could not render): a short side
-    branch of its own prompt is kept whole, the main thread's dead blocks are released."""
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=2)
-    segments = {state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids}
-    assert segments == {Segment.NORMAL}
-    assert state.stats().block_released_compaction == 7
+def test_the_next_side_request_keeps_the_old_ones_instructions_and_releases_the_rest() -> None:
+    """Qwen Code's memory extractor, opencode's summarizer, Claude Code's title request: a
+    prompt of their own, sent again with the same instructions and a new conversation. The
+    next one settles the old: what followed its instructions is released, the blocks that
+    hold them kept (the one straddling their end included), even where the new prompt is of
+    another kind and shares nothing."""
+    from vllm_affinity.core.compaction import settling_branch
+
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
+    side_call(manager, tokens(7000, 3))  # another side prompt: nothing in common
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
+    stats = state.stats()
+    assert stats.releases_compaction == 2 and stats.block_released_compaction == 7 + 4
+    assert settling_branch("cc") not in state.sessions.latest
+    assert stats.released_hit == 0
     assert_no_leak(manager)
 
 
-def test_a_rewrite_releases_a_long_side_branch_whose_instructions_are_unknown() -> None:
-    """No instruction length told, but as long as half the main thread: another prompt before
-    the same conversation (a summarizer), dead whole."""
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6)
-    segments = {state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids}
-    assert segments == {Segment.RELEASED}
-    assert state.stats().block_released_compaction == 7 + 6
+def test_the_next_side_request_keeps_what_it_hits_of_the_old_one() -> None:
+    """The Codex CLI's compaction requests: tool-less, the window's leading items word for
+    word, then the compaction prompt. The next window's compaction request re-sends the
+    leading items (past the instructions): the old request's blocks it hits stay cached and
+    are hit, nothing released is hit again, the rest is released."""
+    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK)
+    leading = [*tokens(5000, 1), *tokens(6000, 2)]  # the old side's first 3 blocks
+    side_call(manager, [*leading, *tokens(8000, 2)], head=BLOCK)
+    assert segments_of(manager, side_ids[3:]) == [Segment.RELEASED] * 3
+    stats = state.stats()
+    assert stats.block_released_compaction == 7 + 3 and stats.released_hit == 0
+    hit = manager.get_computed_blocks(make_request([*leading, *tokens(9000, 1), 1]))[1]
+    assert hit == 3 * BLOCK
     assert_no_leak(manager)
 
 
-def test_a_rewrite_releases_a_side_branch_that_carried_the_conversation() -> None:
-    """A side request that starts as the main thread does (the Codex CLI's compaction request,
-    Qwen Code's next-prompt suggestion) carried the old conversation: dead whole once the window
-    is rewritten, but for the first block, which the main thread still holds."""
+def test_a_side_branch_that_carried_the_conversation_is_settled_by_the_next_side_request() -> None:
+    """A side request that starts as the main thread does (Qwen Code's next-prompt suggestion,
+    a compaction request) carried the old conversation: once the window is rewritten and the
+    next side request starts from the new window, all of it is dead but the first block, which
+    the main thread still holds."""
     manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK, same_start=True)
-    segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in side_ids]
-    assert segments == [Segment.NORMAL] + [Segment.RELEASED] * 5
+    side_call(manager, [*tokens(0, 1), *tokens(900, 2), *tokens(950, 1)], head=BLOCK)
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] + [Segment.RELEASED] * 5
     assert state.stats().block_released_compaction == 7 + 5
     assert_no_leak(manager)
 
@@ -784,4 +814,31 @@ def test_a_rewrite_after_a_retry_releases_both_windows_in_one_release() -> None:
         Segment.RELEASED
     }
     assert retried_branch("cc") not in state.sessions.latest
+    assert_no_leak(manager)
+
+
+def test_a_compaction_with_a_side_branch_and_a_retried_window_releases_every_dead_block() -> None:
+    """Claude Code's usual compaction: a side request each turn, the compaction request sent
+    twice (a retry), then the new window (a rewrite). The rewrite releases the main thread's
+    and the replaced window's dead blocks, each counted; the next side request settles the
+    side branch. Every dead block ends in RELEASED and is counted once; none is hit again."""
+    from vllm_affinity.engine import RETRY_KEY, REWRITE_KEY
+
+    manager = make_manager(60)
+    state = state_of(manager)
+    prefix = tokens(0, 2)
+    side = side_call(manager, [*tokens(5000, 1), *tokens(100, 3)], head=BLOCK)  # title request
+    first = agent_call(manager, [*prefix, *tokens(100, 4), *tokens(500, 1)])
+    second = agent_call(manager, [*prefix, *tokens(100, 4), *tokens(600, 1)], RETRY_KEY)
+    agent_call(manager, [*prefix, *tokens(900, 2)], REWRITE_KEY)
+    stats = state.stats()
+    dead = {*first[2:7], *second[2:7]}
+    assert stats.block_released_compaction == len(dead) == 6
+    assert set(segments_of(manager, sorted(dead))) == {Segment.RELEASED}
+    side_call(manager, [*tokens(5000, 1), *tokens(700, 1)], head=BLOCK)  # the next turn's
+    stats = state.stats()
+    assert stats.block_released_compaction == 6 + 3  # and the side branch's old conversation
+    assert segments_of(manager, side) == [Segment.NORMAL] + [Segment.RELEASED] * 3
+    assert stats.released_hit == 0
+    assert state.check(idle=False) == []
     assert_no_leak(manager)

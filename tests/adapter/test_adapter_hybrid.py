@@ -291,11 +291,12 @@ def test_a_model_with_no_cacheable_group_starts_all_the_same() -> None:
     assert len(state_of(manager).groups) == 1
 
 
-def test_a_rewrite_keeps_a_side_branchs_instructions_in_every_group() -> None:
+def test_a_side_branch_is_settled_by_its_next_request_in_every_group() -> None:
     """gpt-oss's shape (sliding window beside full attention): a coding agent's compaction,
-    told by the rule (``kv_rewrite``), releases the main thread's dead blocks and, of a side
-    branch with a prompt of its own (``kv_head``: 1.5 blocks of instructions), what followed
-    its instructions, in both groups; the blocks holding the instructions stay in both."""
+    told by the rule (``kv_rewrite``), releases the main thread's dead blocks in both groups and
+    sets its side branch apart; the next side request (a prompt of its own, ``kv_head``: 1.5
+    blocks of instructions) releases what followed the old one's instructions, in both groups;
+    the blocks holding the instructions stay in both."""
     from vllm_affinity.core.compaction import side_branch
     from vllm_affinity.engine import HEAD_KEY, REWRITE_KEY
 
@@ -303,17 +304,23 @@ def test_a_rewrite_keeps_a_side_branchs_instructions_in_every_group() -> None:
     finished_turn(manager, tokens(0, 8), "cc")
     state = state_of(manager)
     side_params = SamplingParams(max_tokens=4, extra_args={HEAD_KEY: BLOCK + BLOCK // 2})
-    side = make_request(tokens(5000, 6), session=side_branch("cc"), sampling_params=side_params)
-    state.on_new_request(side, release_on_divergence=False)
-    run_prefill(manager, side)
-    generate(manager, side, 4)
-    manager.free(side)
+
+    def side_request(prompt: list[int]) -> Any:
+        side = make_request(prompt, session=side_branch("cc"), sampling_params=side_params)
+        state.on_new_request(side, release_on_divergence=False)
+        run_prefill(manager, side)
+        generate(manager, side, 4)
+        manager.free(side)
+
+    side_request(tokens(5000, 6))
     side_held = held(state, side_branch("cc"))
     rewrite = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
     compacted = make_request(
         [*tokens(0, 1), *tokens(900, 2)], session="cc", sampling_params=rewrite
     )
     state.on_new_request(compacted, release_on_divergence=False)
+    assert [g.blocks_released for g in state.group_stats()] == [7, 7]  # the main thread's
+    side_request(tokens(7000, 2))  # the next side request: another prompt
     for group in side_held:  # 6 prompt blocks; the partial answer block is uncached (FREE)
         segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in group[:6]]
         assert segments == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4

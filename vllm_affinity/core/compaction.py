@@ -84,6 +84,9 @@ _IGNORED_KEYS = frozenset({"cache_control"})
 
 #: The branch a retry replaced, kept until the next window says which one the thread continues.
 RETRIED_BRANCH = "retried"
+#: A side branch a rewrite left behind, kept until the session's next side request says what of
+#: it that request hits again.
+SETTLING_BRANCH = "settling"
 
 
 def side_branch(session: str) -> str:
@@ -94,6 +97,11 @@ def side_branch(session: str) -> str:
 def retried_branch(session: str) -> str:
     """The engine's key for the main-thread window a retry of ``session`` replaced."""
     return f"{session}{BRANCH_SEPARATOR}{RETRIED_BRANCH}"
+
+
+def settling_branch(session: str) -> str:
+    """The engine's key for the side branch a rewrite of ``session`` left behind."""
+    return f"{session}{BRANCH_SEPARATOR}{SETTLING_BRANCH}"
 
 
 def owner_of(session: str) -> str:
