@@ -279,13 +279,16 @@ def _make_chain_utilities(max_sessions: int) -> tuple[Any, Any]:
             chains = engine._jiuwen_chains = AnswerChains(max_sessions)
         return chains
 
-    def affinity_chain_of(self: Any, principal: str, window: Any) -> tuple[str, bool]:
-        """EngineCore utility: the chain a window of ``principal`` continues, or a new one."""
+    def affinity_chain_of(self: Any, principal: str, window: Any) -> tuple[str, str]:
+        """EngineCore utility: the chain of a window of ``principal`` and how the window
+        relates to it (``core/answer_chains.py``)."""
         return table(self).chain_of(principal, ChainWindow.from_wire(window))
 
-    def affinity_record_answer(self: Any, principal: str, chain: str, answer: Any) -> None:
+    def affinity_record_answer(
+        self: Any, principal: str, chain: str, answer: Any, main: bool = True
+    ) -> None:
         """EngineCore utility: the server answered ``chain``'s request with ``answer``."""
-        table(self).record(principal, chain, Answer.from_wire(answer))
+        table(self).record(principal, chain, Answer.from_wire(answer), bool(main))
 
     return affinity_chain_of, affinity_record_answer
 

@@ -1,16 +1,17 @@
 """vLLM adapter, API-server side: sessions for agents that name none
-(``VLLM_AFFINITY_IMPLICIT_SESSIONS=answers``).
+(``VLLM_AFFINITY_IMPLICIT_SESSIONS=answers``, the default).
 
 A chat request with no session gets the one its window continues (``core/answer_chains.py``):
-the chain of the latest answer it carries back, else a new chain. The chain is bound as the
-request's ``session_id``, the compaction rule judges its windows, and this module reads the
-answer vLLM gives (its text and tool call ids, from the response or the stream's chunks) to
-record it under the chain once it is complete.
+the chain of the latest answer it carries back (or of an answer's stretch in its user
+messages), else a new chain. The chain is bound as the request's ``session_id`` (a side
+request of it under its side branch), the compaction rule judges its windows, and this module
+reads the answer vLLM gives (its text and tool call ids, from the response or the stream's
+chunks) to record it under the chain once it is complete.
 
 The table lives where every request is seen: in this API-server process with one API server
 (``LocalChains``), else in the engine core (``EngineChains``: one engine utility call to link a
 window and one to record its answer; with data parallelism the engine is chosen by the
-principal and the window's instructions, which every request of a conversation shares).
+principal: a conversation's side requests have other instructions than its main thread).
 
 Costs, only for requests that name no session: the window's assistant and user messages read
 and digested once; for a stream, one JSON parse per chunk.
@@ -22,9 +23,9 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
-from .core.answer_chains import Answer, AnswerChains, ChainWindow
+from .core.answer_chains import OUTCOMES, Answer, AnswerChains, ChainWindow, Outcome
 
 logger = logging.getLogger("vllm_affinity")
 
@@ -45,12 +46,12 @@ class LocalChains:
     def __init__(self, max_chains: int) -> None:
         self.table = AnswerChains(max_chains)
 
-    async def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, bool]:
+    async def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, Outcome]:
         return self.table.chain_of(principal, window)
 
-    def record(self, principal: str, instructions: str, chain: str, answer: Answer) -> None:
+    def record(self, principal: str, chain: str, answer: Answer, main: bool) -> None:
         """At once: the conversation's next request may follow the answer at once."""
-        self.table.record(principal, chain, answer)
+        self.table.record(principal, chain, answer, main)
 
 
 #: Calls an engine utility on the engine core that serves a key.
@@ -60,28 +61,24 @@ CallEngine = Callable[..., Awaitable[Any]]
 class EngineChains:
     """The chains in an engine core (``EngineCore.affinity_chain_of``,
     ``affinity_record_answer``): with several API servers each sees only some requests. A
-    conversation's requests share their instructions, so they reach one engine."""
+    principal's requests reach one engine."""
 
     def __init__(self, call_engine: CallEngine) -> None:
         self._call_engine = call_engine
 
-    async def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, bool]:
-        key = _engine_key(principal, window.instructions)
-        chain, continued = await self._call_engine(
-            key, "affinity_chain_of", principal, window.to_wire()
+    async def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, Outcome]:
+        chain, outcome = await self._call_engine(
+            principal, "affinity_chain_of", principal, window.to_wire()
         )
-        return str(chain), bool(continued)
+        if outcome not in OUTCOMES:
+            raise ValueError(f"the engine answered {outcome!r}, not a chain outcome")
+        return str(chain), cast(Outcome, outcome)
 
-    def record(
-        self, principal: str, instructions: str, chain: str, answer: Answer
-    ) -> Awaitable[None]:
+    def record(self, principal: str, chain: str, answer: Answer, main: bool) -> Awaitable[None]:
         """The engine utility call, to be awaited (``AnswerRecords`` runs it in the background)."""
-        key = _engine_key(principal, instructions)
-        return self._call_engine(key, "affinity_record_answer", principal, chain, answer.to_wire())
-
-
-def _engine_key(principal: str, instructions: str) -> str:
-    return f"{principal}\x1f{instructions}"
+        return self._call_engine(
+            principal, "affinity_record_answer", principal, chain, answer.to_wire(), main
+        )
 
 
 class AnswerRecords:
@@ -92,9 +89,9 @@ class AnswerRecords:
         self.chains = chains
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def on_answer(self, principal: str, window: ChainWindow, chain: str) -> OnAnswer:
+    def on_answer(self, principal: str, chain: str, main: bool = True) -> OnAnswer:
         def answered(answer: Answer) -> None:
-            record = self.chains.record(principal, window.instructions, chain, answer)
+            record = self.chains.record(principal, chain, answer, main)
             if record is None:  # recorded here, at once
                 return
             task = asyncio.get_running_loop().create_task(self._send(record))

@@ -185,7 +185,8 @@ class AffinityMetrics:
         self._chains = Counter(
             "vllm_affinity_implicit_sessions",
             "Requests that named no session, by how their session was told from the answers "
-            "they carry back: continued (an earlier chain) or started (a new one)",
+            "they carry back: continued (an earlier chain), side (a side request of one: other "
+            "instructions, or a side prompt learned) or started (a new one)",
             ["outcome"],
             registry=registry,
         )

@@ -40,10 +40,16 @@ from opentelemetry import propagate, trace
 from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_HEADER
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
-from .agent_windows import apply_verdict, prompt_cache_key, qwen_code_metadata, window_to_judge
+from .agent_windows import (
+    apply_verdict,
+    prompt_cache_key,
+    qwen_code_metadata,
+    window_of,
+    window_to_judge,
+)
 from .checkpoints import CHECKPOINT_KEY
 from .core import HintError, ReleaseHint, engine_rank
-from .core.answer_chains import ChainWindow
+from .core.answer_chains import Outcome
 from .core.compaction import BRANCH_SEPARATOR, Verdict, Window
 from .core.lifecycle import HEADER as NEXT_USE_HEADER
 from .core.lifecycle import NextUseError, parse_next_use
@@ -91,7 +97,7 @@ class RequestPath:
     verdict: Verdict | None = None  # the compaction rule's, when it applied
     window: Window | None = None  # the window the rule judged
     chain: str | None = None  # the implicit session of a request that named none
-    chain_window: ChainWindow | None = None
+    chain_outcome: Outcome | None = None  # how its window relates to the chain
     next_use: float | None = None
 
 
@@ -128,12 +134,12 @@ async def implicit_session(path: RequestPath) -> None:
     if window is None:
         return
     try:
-        chain, continued = await service.answers.chains.chain_of(path.principal, window)
+        chain, outcome = await service.answers.chains.chain_of(path.principal, window)
     except Exception as exc:  # the engine is dying: the request goes on as vanilla's
         logger.warning("vllm_affinity: could not link a request to its session: %s", exc)
         return
-    service.metrics.count_chain("continued" if continued else "started")
-    path.chain, path.chain_window = chain, window
+    service.metrics.count_chain(outcome)
+    path.chain, path.chain_outcome = chain, outcome
     path.request.session_id = chain
 
 
@@ -148,6 +154,11 @@ async def session(path: RequestPath) -> None:
         return
     path.owner = scoped(path.principal, named)
     service = path.service
+    if path.chain_outcome == "side":  # told by the chain table: the rule is not asked
+        path.verdict, path.window = "side", window_of(path.request)
+        service.metrics.count_window("side")
+        path.session = scoped(path.principal, apply_verdict(path.request, named, "side"))
+        return
     scope = "all" if path.chain is not None else path.settings.infer_compaction
     judged = window_to_judge(path.request, path.raw_request.headers, named, scope)
     if judged is not None:
@@ -241,8 +252,9 @@ def finish(path: RequestPath, call: Any) -> Any:
     elif path.verdict == "side" and path.window is not None:
         key = side_instructions_key(session_, path.window)
         call = with_instructions(service, key, path.request, call)
-    if path.chain is not None and path.chain_window is not None and service.answers:
-        on_answer = service.answers.on_answer(path.principal, path.chain_window, path.chain)
+    if path.chain is not None and service.answers:
+        main = path.chain_outcome != "side"
+        on_answer = service.answers.on_answer(path.principal, path.chain, main)
         call = with_answer(call, on_answer)
     if settings.lifecycle:
         named_tool = not isinstance(getattr(path.request, "tool_choice", None), str | None)

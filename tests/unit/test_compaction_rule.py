@@ -44,7 +44,7 @@ def test_claude_code_session_turns_side_requests_compaction_and_retry() -> None:
     compact = main(user("fix the bug"), answer("ok"), user("and the test"), answer("done"),
                    user("CRITICAL: summarise"))  # fmt: skip
     assert rule.classify("s", compact) == "append"
-    assert rule.classify("s", compact) == "append"
+    assert rule.classify("s", compact) == "retry"  # the same window again: settled later
     # an answer with no visible text: the last user message is re-sent, changed
     retried = main(user("fix the bug"), answer("ok"), user("and the test"), answer("done"),
                    user("CRITICAL: summarise. Text only."))  # fmt: skip
@@ -54,6 +54,25 @@ def test_claude_code_session_turns_side_requests_compaction_and_retry() -> None:
     assert rule.classify("s", after) == "rewrite"
     later = main(user("This session is continued... summary"), user("next task"), answer("a"))
     assert rule.classify("s", later) == "append"
+
+
+def test_a_chat_uis_regenerate_edit_and_branch() -> None:
+    """A chat UI with no id: a regenerated answer re-sends the same window (a retry); an
+    edited last message changes only it (a retry); an edited earlier message drops what
+    followed it (a rewrite); going on from the edit appends."""
+    rule = CompactionRule()
+    chat = [user("hello"), answer("Hi!"), user("plan a trip")]
+    assert rule.classify("c", Window.of(chat, None)) == "first"
+    assert rule.classify("c", Window.of(chat, None)) == "retry"  # regenerate
+    chat += [answer("Where to?"), user("Oslo")]
+    assert rule.classify("c", Window.of(chat, None)) == "append"
+    edited = [*chat[:-1], user("Lima")]
+    assert rule.classify("c", Window.of(edited, None)) == "retry"  # the last message edited
+    branch = [user("hello"), answer("Hi!"), user("plan a dinner")]
+    assert rule.classify("c", Window.of(branch, None)) == "rewrite"  # an earlier one edited
+    assert rule.classify("c", Window.of([*branch, answer("Sure."), user("Thai")], None)) == (
+        "append"
+    )
 
 
 def test_a_side_request_before_the_first_main_window_releases_nothing() -> None:

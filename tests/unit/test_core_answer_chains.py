@@ -8,10 +8,12 @@ import pytest
 
 from vllm_affinity.core.answer_chains import (
     CHAIN_PREFIX,
-    MIN_OPENING,
+    PROBE_CHARS,
+    PROBES,
     Answer,
     AnswerChains,
     ChainWindow,
+    probes,
 )
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -40,14 +42,14 @@ def window(*messages: dict[str, Any], tools: Any = TOOLS) -> ChainWindow:
 
 def test_a_conversation_is_one_chain_through_its_tool_calls_and_texts() -> None:
     chains = AnswerChains()
-    first, continued = chains.chain_of("p", window(user("fix the bug")))
-    assert first.startswith(CHAIN_PREFIX) and not continued
+    first, outcome = chains.chain_of("p", window(user("fix the bug")))
+    assert first.startswith(CHAIN_PREFIX) and outcome == "started"
     chains.record("p", first, Answer("", ("call_1",)))
     turn = [user("fix the bug"), *called("call_1")]
-    assert chains.chain_of("p", window(*turn)) == (first, True)
+    assert chains.chain_of("p", window(*turn)) == (first, "continued")
     chains.record("p", first, Answer("Fixed: the loop was off by one."))
     turn += [said("Fixed: the loop was off by one."), user("thanks, now the tests")]
-    assert chains.chain_of("p", window(*turn)) == (first, True)
+    assert chains.chain_of("p", window(*turn)) == (first, "continued")
     assert len(chains) == 1
 
 
@@ -60,24 +62,27 @@ def test_sessions_sharing_a_prompt_and_a_first_message_stay_apart() -> None:
     for n, name in enumerate(names):
         chains.record("p", name, Answer("", (f"call_{n}",)))
     for n, name in enumerate(names):
-        assert chains.chain_of("p", window(user("same task"), *called(f"call_{n}"))) == (name, True)
+        assert chains.chain_of("p", window(user("same task"), *called(f"call_{n}"))) == (name, "continued")
     chains.record("p", names[0], Answer("The same words."))
     chains.record("p", names[1], Answer("The same words."))
     alike = window(user("same task"), *called("call_0"), said("The same words."), user("go on"))
-    chain, continued = chains.chain_of("p", alike)
-    assert not continued and chain not in names  # not joined to either: a chain of its own
+    chain, outcome = chains.chain_of("p", alike)
+    assert outcome == "started" and chain not in names  # not joined to either
 
 
-def test_other_instructions_or_another_principal_start_a_chain() -> None:
+def test_other_instructions_make_a_side_request_and_another_principal_a_chain() -> None:
+    """A window that carries a chain's answer under other instructions (a summarizer, Qwen
+    Code's compression request, a tool-less request) is that chain's side request: it never
+    becomes the chain's window. Another tenant's window starts a chain of its own."""
     chains = AnswerChains()
     main, _ = chains.chain_of("p", window(user("task")))
     chains.record("p", main, Answer("An answer to the task."))
     carried = [user("task"), said("An answer to the task."), user("more")]
-    assert chains.chain_of("p", window(*carried))[1]
-    assert not chains.chain_of("p", window(*carried, tools=None))[1]  # another tool set
-    other = ChainWindow.of([{"role": "system", "content": "Extract memories."}, *carried], TOOLS)
-    assert not chains.chain_of("p", other)[1]
-    assert not chains.chain_of("q", window(*carried))[1]  # another tenant
+    assert chains.chain_of("p", window(*carried)) == (main, "continued")
+    assert chains.chain_of("p", window(*carried, tools=None)) == (main, "side")
+    other = ChainWindow.of([{"role": "system", "content": "Summarize."}, *carried], TOOLS)
+    assert chains.chain_of("p", other) == (main, "side")
+    assert chains.chain_of("q", window(*carried))[1] == "started"  # another tenant
 
 
 def test_an_assistant_message_the_server_never_wrote_is_passed_over() -> None:
@@ -86,22 +91,102 @@ def test_an_assistant_message_the_server_never_wrote_is_passed_over() -> None:
     main, _ = chains.chain_of("p", window(user("task")))
     chains.record("p", main, Answer("A real answer."))
     later = window(user("task"), said("A real answer."), user("x"), said("Ok."), user("y"))
-    assert chains.chain_of("p", later) == (main, True)
+    assert chains.chain_of("p", later) == (main, "continued")
 
 
-def test_a_summary_inside_a_user_message_continues_the_chain_that_wrote_it() -> None:
+SUMMARY = (
+    "<analysis>\nThe user wants the parser fixed; I read parser.py and the failing test, "
+    "then traced the off-by-one to the tokenizer loop.\n</analysis>\n<summary>\n"
+    "1. Primary request: fix the JSON parser so that nested arrays parse.\n"
+    "2. Files: parser.py (the tokenizer loop), tests/test_parser.py (the failing case).\n"
+    "3. Done so far: the loop bound fixed, one test added, the suite green but for one.\n"
+    "4. Next step: make test_nested_empty pass, then run the whole suite again.\n</summary>"
+)
+
+
+def stripped(summary: str) -> str:
+    """What Qwen Code and Claude Code put in the new window: the analysis cut, the rest
+    trimmed, re-wrapped, between a preamble and a trailer."""
+    body = summary.split("</analysis>", 1)[1].strip()
+    return "This session continues an earlier one. Summary:\n\n" + body.replace(
+        ", ", ",\n  "
+    ) + "\n\nResume the prior task using the summary above."
+
+
+def test_a_summary_cut_and_rewrapped_continues_the_chain_that_wrote_it() -> None:
+    """The new window after a compaction carries a middle stretch of the summary, never its
+    opening (its analysis block cut), re-wrapped and framed: it continues the chain."""
     chains = AnswerChains()
     main, _ = chains.chain_of("p", window(user("task")))
-    summary = "<state_snapshot> the user asked to fix the parser; done so far: " + "x" * 40
-    chains.record("p", main, Answer(summary))
-    compacted = window(user(f"Context:\n{summary}"), said("Got it. Thanks!"), user("next step"))
-    assert chains.chain_of("p", compacted) == (main, True)
+    chains.record("p", main, Answer(SUMMARY))
+    compacted = window(user(stripped(SUMMARY)), said("Got it. Thanks!"), user("next step"))
+    assert chains.chain_of("p", compacted) == (main, "continued")
+    elsewhere = ChainWindow.of([{"role": "system", "content": "Other."}, user(SUMMARY)], TOOLS)
+    assert chains.chain_of("p", elsewhere)[1] == "started"  # its instructions are not the chain's
+    assert chains.chain_of("q", compacted)[1] == "started"  # another tenant's
+
+
+def test_a_short_answer_or_one_stretch_does_not_link() -> None:
+    """An answer shorter than a stretch links by no stretch; a longer one needs two of its
+    stretches found (one quoted sentence is not a compaction)."""
+    chains = AnswerChains()
+    main, _ = chains.chain_of("p", window(user("task")))
     short = "Done."
     chains.record("p", main, Answer(short))
-    assert len(short) < MIN_OPENING
-    assert not chains.chain_of("p", window(user(f"Context: {short}")))[1]
-    elsewhere = ChainWindow.of([{"role": "system", "content": "Other."}, user(summary)], TOOLS)
-    assert not chains.chain_of("p", elsewhere)[1]
+    assert len(short) < PROBE_CHARS and probes(short) == ()
+    assert chains.chain_of("p", window(user(f"Context: {short}")))[1] == "started"
+    chains.record("p", main, Answer(SUMMARY))
+    one = probes(SUMMARY)[3]
+    assert chains.chain_of("p", window(user(f"Quoting: {one}")))[1] == "started"
+    assert len(probes(SUMMARY)) == min(PROBES, len(" ".join(SUMMARY.split())) // PROBE_CHARS)
+
+
+def test_a_stretch_two_conversations_answered_links_neither() -> None:
+    """Two sessions whose summaries share their text (one template, the same facts): a
+    window that carries it joins neither."""
+    chains = AnswerChains()
+    first, _ = chains.chain_of("p", window(user("task one")))
+    second, _ = chains.chain_of("p", window(user("task two")))
+    chains.record("p", first, Answer(SUMMARY))
+    chains.record("p", second, Answer(SUMMARY + " And more."))
+    chain, outcome = chains.chain_of("p", window(user(stripped(SUMMARY))))
+    assert outcome == "started" and chain not in (first, second)
+
+
+def test_a_side_prompt_whose_answer_never_came_back_is_learned() -> None:
+    """Qwen Code's next-prompt suggestion: the conversation and one fixed user message,
+    answered and dropped. The next turn drops it without carrying its answer: the message is
+    learned, and from then on a window ending with it is a side request of its chain."""
+    chains = AnswerChains()
+    suggest = user("[SUGGESTION MODE: Suggest what the user might naturally type next.]")
+    main, _ = chains.chain_of("p", window(user("task")))
+    chains.record("p", main, Answer("First answer."))
+    turn = [user("task"), said("First answer.")]
+    assert chains.chain_of("p", window(*turn, suggest)) == (main, "continued")  # not known yet
+    chains.record("p", main, Answer("run the tests"))
+    turn += [user("now the tests")]
+    assert chains.chain_of("p", window(*turn)) == (main, "continued")
+    chains.record("p", main, Answer("Second answer."))
+    turn += [said("Second answer.")]
+    assert chains.chain_of("p", window(*turn, suggest)) == (main, "side")
+    chains.record("p", main, Answer("commit it"), main=False)
+    assert chains.chain_of("p", window(*turn, user("commit"))) == (main, "continued")
+
+
+def test_a_regenerated_answer_teaches_nothing() -> None:
+    """A chat UI's regenerate re-sends the same window (its last user message kept, the
+    answer not carried): the same chain, and no side prompt learned, so the user's next
+    message is the chain's window even when it repeats an earlier one."""
+    chains = AnswerChains()
+    main, _ = chains.chain_of("p", window(user("hello")))
+    chains.record("p", main, Answer("Hello!"))
+    turn = [user("hello"), said("Hello!"), user("and then?")]
+    assert chains.chain_of("p", window(*turn)) == (main, "continued")
+    chains.record("p", main, Answer("Then this."))
+    assert chains.chain_of("p", window(*turn)) == (main, "continued")  # regenerate
+    chains.record("p", main, Answer("Then that."))
+    turn += [said("Then that."), user("and then?")]
+    assert chains.chain_of("p", window(*turn)) == (main, "continued")
 
 
 def test_text_parts_and_strings_link_alike() -> None:
@@ -109,7 +194,7 @@ def test_text_parts_and_strings_link_alike() -> None:
     main, _ = chains.chain_of("p", window(user("task")))
     chains.record("p", main, Answer("  Hello there.\n"))
     parts = {"role": "assistant", "content": [{"type": "text", "text": "Hello there."}]}
-    assert chains.chain_of("p", window(user("task"), parts, user("more"))) == (main, True)
+    assert chains.chain_of("p", window(user("task"), parts, user("more"))) == (main, "continued")
 
 
 def test_the_table_is_bounded() -> None:
@@ -117,11 +202,11 @@ def test_the_table_is_bounded() -> None:
     names = [chains.chain_of("p", window(user(f"task {n}")))[0] for n in range(3)]
     assert len(chains) == 2
     chains.record("p", names[0], Answer("forgotten chain"))  # its chain is gone: nothing kept
-    assert not chains.chain_of("p", window(said("forgotten chain"), user("x")))[1]
+    assert chains.chain_of("p", window(said("forgotten chain"), user("x")))[1] == "started"
     for n in range(4):
         chains.record("p", names[2], Answer("", (f"id{n}",)))
-    assert chains.chain_of("p", window(*called("id3"))) == (names[2], True)
-    assert not chains.chain_of("p", window(*called("id0")))[1]  # the oldest link out
+    assert chains.chain_of("p", window(*called("id3"))) == (names[2], "continued")
+    assert chains.chain_of("p", window(*called("id0")))[1] == "started"  # the oldest link out
 
 
 def test_wire_round_trips_and_rejects_garbage() -> None:
@@ -129,9 +214,10 @@ def test_wire_round_trips_and_rejects_garbage() -> None:
     assert ChainWindow.from_wire(win.to_wire()) == win
     answer = Answer("text", ("c1", "c2"))
     assert Answer.from_wire(answer.to_wire()) == answer
-    for garbage in (None, 3, ("a",), ("a", "b", "c", "d")):
+    for garbage in (None, 3, ("a",), ("a", "b", "c", "d", "e")):
         with pytest.raises(ValueError):
             ChainWindow.from_wire(garbage)
+    for garbage in (None, 3, ("a",), ("a", "b", "c")):
         with pytest.raises(ValueError):
             Answer.from_wire(garbage)
     with pytest.raises(ValueError):

@@ -1,12 +1,13 @@
 """Pure core: the sessions of agents that name none, told by the answers they send back.
 
-aider, mini-swe-agent and Qwen Code (by default) put no session on the wire, but each of their
-requests carries the server's earlier answers to it: a tool call's id (random, chosen by
-vLLM), the assistant's text as it was answered, or, after a compaction, the summary the server
-wrote inside the new window's first user message. A window that carries an answer the server
-gave continues that answer's conversation, its *chain*; the chain is the request's session,
-and the compaction rule judges its windows as it judges a named session's. A window that
-carries none starts a chain of its own (a conversation's first request, a side request).
+aider, mini-swe-agent, Qwen Code (by default) and chat UIs put no session on the wire, but each
+of their requests carries the server's earlier answers to it: a tool call's id (random, chosen
+by vLLM), the assistant's text as it was answered, or, after a compaction, the summary the
+server wrote inside the new window's first user message (trimmed, its ``<analysis>`` block
+cut, a trailer added). A window that carries an answer the server gave continues that
+answer's conversation, its *chain*; the chain is the request's session, and the compaction
+rule judges its windows as it judges a named session's. A window that carries none starts a
+chain of its own (a conversation's first request, a one-shot request).
 
 Two conversations are never joined, which keeps id-less sessions that share a system prompt
 and tools apart (what makes the guess safe):
@@ -15,12 +16,24 @@ and tools apart (what makes the guess safe):
   (its last assistant message found in the table; an assistant message the server never wrote,
   such as aider's "Ok.", is passed over); an answer two chains gave alike (the same text) links
   neither, and nothing earlier in the window is tried;
-- a chain's instructions (its tools and leading system messages) must be the window's;
-- a summary links a window with no known answer only when it is the opening of one of the
-  last answers given under the same instructions (at least ``MIN_OPENING`` characters).
+- a window with other instructions (tools, leading system messages) than its chain's is a
+  **side** request of that chain (a summarizer, a compaction or memory request carrying the
+  conversation): it never becomes the chain's window;
+- a window with no known answer is linked by a **stretch** of one of the principal's last
+  answers found in its user messages (a compaction's summary): ``PROBES`` stretches of
+  ``PROBE_CHARS`` characters spread over the answer's text, whitespace collapsed; two must
+  be found (one for an answer too short for two), only one chain's answers may match, and the
+  chain's instructions must be the window's.
+
+A chain's request whose answer never came back and whose last user message the next window
+dropped was a side request (Qwen Code's next-prompt suggestion: the conversation and one fixed
+user message, answered and dropped): its last user message is learned as a **side prompt** of
+the principal, and a later window of a chain that ends with it is a side request.
 
 Memory: one entry per link (a tool call id or a text digest), at most ``max_links`` (least
-recently used out first), and one per chain, at most ``max_chains``.
+recently used out first); one per chain (its instructions and its last request), at most
+``max_chains``; per principal its last ``RECENT_ANSWERS`` answers' stretches (at most
+``PROBES * PROBE_CHARS`` characters each) and its learned side prompts.
 """
 
 from __future__ import annotations
@@ -32,17 +45,25 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-#: An answer's opening searched for in a window's user messages (a compaction's summary).
-MIN_OPENING = 64
-#: Answers per (principal, instructions) whose openings a window with no known answer is
-#: searched for.
-RECENT_OPENINGS = 8
+#: Characters of one stretch of an answer searched for in a window's user messages.
+PROBE_CHARS = 64
+#: Stretches kept per answer, spread over its text.
+PROBES = 8
+#: Answers per principal whose stretches a window with no known answer is searched for.
+RECENT_ANSWERS = 8
+#: Side prompts learned per principal.
+MAX_SIDE_PROMPTS = 64
 #: A link two chains gave alike: it links neither.
 _AMBIGUOUS = ""
 #: Prefix of a chain's name: a header value cannot hold it, so no client names a chain.
 CHAIN_PREFIX = "\x1eanswers-"
+
+#: ``started``: a new chain; ``continued``: the chain's next window; ``side``: a side request of
+#: the chain (other instructions, or a learned side prompt).
+Outcome = Literal["started", "continued", "side"]
+OUTCOMES: tuple[Outcome, ...] = ("started", "continued", "side")
 
 
 def _digest(text: str) -> str:
@@ -69,6 +90,37 @@ def text_of(content: Any) -> str:
     return ""
 
 
+def normalised(text: str) -> str:
+    """``text`` with every run of whitespace one space, and none at its ends: what survives an
+    agent's trimming and re-wrapping."""
+    return " ".join(text.split())
+
+
+def probes(text: str) -> tuple[str, ...]:
+    """Up to ``PROBES`` stretches of ``PROBE_CHARS`` characters of the normalised ``text``, from
+    its opening to its end, evenly spread (none for a text shorter than one)."""
+    text = normalised(text)
+    count = min(PROBES, len(text) // PROBE_CHARS)
+    if count == 0:
+        return ()
+    step = (len(text) - PROBE_CHARS) / max(count - 1, 1)
+    return tuple(text[round(i * step) : round(i * step) + PROBE_CHARS] for i in range(count))
+
+
+def _found_in(stretches: tuple[str, ...], texts: list[str]) -> bool:
+    """Whether enough of an answer's ``stretches`` are in ``texts``: two (one where it has
+    only one)."""
+    needed, hits = min(2, len(stretches)), 0
+    for left, stretch in zip(range(len(stretches), 0, -1), stretches, strict=True):
+        if hits + left < needed:
+            return False
+        if any(stretch in text for text in texts):
+            hits += 1
+            if hits >= needed:
+                return True
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What the server answered: its text and its tool calls' ids."""
@@ -80,10 +132,6 @@ class Answer:
         links = [id_link(i) for i in self.tool_call_ids if i]
         text = text_link(self.text)
         return [*links, text] if text else links
-
-    def opening(self) -> str | None:
-        text = self.text.strip()
-        return text[:MIN_OPENING] if len(text) >= MIN_OPENING else None
 
     def to_wire(self) -> tuple[str, list[str]]:
         return (self.text, list(self.tool_call_ids))
@@ -101,11 +149,13 @@ class Answer:
 @dataclass(frozen=True, slots=True)
 class ChainWindow:
     """What linking reads of a window: its instructions' digest, the links of each of its
-    assistant messages (in order) and its user messages' texts."""
+    assistant messages (in order), its user messages' texts, and whether its last message is
+    a user message."""
 
     instructions: str
     answers: tuple[tuple[str, ...], ...]
     user_texts: tuple[str, ...]
+    ends_with_user: bool = False
 
     @classmethod
     def of(cls, messages: Iterable[Any], tools: Any) -> ChainWindow:
@@ -127,23 +177,49 @@ class ChainWindow:
                 answers.append(tuple([*links, text] if text else links))
             elif role == "user":
                 user_texts.append(text_of(message.get("content")))
-        return cls(instructions, tuple(answers), tuple(user_texts))
+        ends_with_user = len(messages) > head and messages[-1].get("role") == "user"
+        return cls(instructions, tuple(answers), tuple(user_texts), ends_with_user)
 
-    def to_wire(self) -> tuple[str, list[list[str]], list[str]]:
-        return (self.instructions, [list(a) for a in self.answers], list(self.user_texts))
+    def last_user(self) -> str | None:
+        """The window's last message when it is a user message's text."""
+        return self.user_texts[-1] if self.ends_with_user and self.user_texts else None
+
+    def carries(self, links: Iterable[str]) -> bool:
+        """Whether one of its assistant messages has one of ``links``."""
+        wanted = set(links)
+        return any(link in wanted for answer in self.answers for link in answer)
+
+    def to_wire(self) -> tuple[str, list[list[str]], list[str], bool]:
+        return (
+            self.instructions,
+            [list(a) for a in self.answers],
+            list(self.user_texts),
+            self.ends_with_user,
+        )
 
     @classmethod
     def from_wire(cls, wire: Any) -> ChainWindow:
         try:
-            instructions, answers, texts = wire
+            instructions, answers, texts, ends_with_user = wire
             window = cls(
                 str(instructions),
                 tuple(tuple(str(k) for k in a) for a in answers),
                 tuple(str(t) for t in texts),
+                bool(ends_with_user),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"not a chain window: {exc}") from None
         return window
+
+
+@dataclass(slots=True)
+class _Chain:
+    """A chain: its instructions' digest, and its last main request's last user message (its
+    length and link) and answer's links (``None`` until it is recorded)."""
+
+    instructions: str
+    last_user: tuple[int, str] | None = None
+    answered: tuple[str, ...] | None = None
 
 
 class AnswerChains:
@@ -154,30 +230,38 @@ class AnswerChains:
             raise ValueError("max_chains must be at least 1")
         self._max_chains = max_chains
         self._max_links = max_links or 16 * max_chains
-        #: chain -> its instructions' digest
-        self._chains: OrderedDict[str, str] = OrderedDict()
+        self._chains: OrderedDict[str, _Chain] = OrderedDict()
         #: (principal, link) -> chain, or _AMBIGUOUS
         self._links: OrderedDict[tuple[str, str], str] = OrderedDict()
-        #: (principal, instructions) -> the last answers' (chain, opening)
-        self._openings: OrderedDict[tuple[str, str], deque[tuple[str, str]]] = OrderedDict()
+        #: principal -> its last answers' (chain, stretches)
+        self._recent: OrderedDict[str, deque[tuple[str, tuple[str, ...]]]] = OrderedDict()
+        #: principal -> the links of the side prompts learned (the last MAX_SIDE_PROMPTS)
+        self._side_prompts: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
         self._names = (f"{CHAIN_PREFIX}{secrets.token_hex(4)}-{n}" for n in itertools.count())
 
     def __len__(self) -> int:
         return len(self._chains)
 
-    def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, bool]:
-        """The window's chain, and whether it continues one (``False``: a new chain)."""
-        chain = self._linked(principal, window)
-        if chain is None:
+    def chain_of(self, principal: str, window: ChainWindow) -> tuple[str, Outcome]:
+        """The window's chain, and how the window relates to it."""
+        found = self._linked(principal, window)
+        if found is None:
             chain = next(self._names)
-            self._chains[chain] = window.instructions
-            while len(self._chains) > self._max_chains:
-                self._chains.popitem(last=False)
-            return chain, False
+            self._chains[chain] = _Chain(window.instructions, _last_user_key(window))
+            self._bound(self._chains, self._max_chains)
+            return chain, "started"
+        chain, outcome = found
+        state = self._chains[chain]
         self._chains.move_to_end(chain)
-        return chain, True
+        if outcome == "continued":
+            self._learn_side_prompt(principal, state, window)
+            if self._is_side_prompt(principal, window):
+                outcome = "side"
+            else:
+                state.last_user, state.answered = _last_user_key(window), None
+        return chain, outcome
 
-    def _linked(self, principal: str, window: ChainWindow) -> str | None:
+    def _linked(self, principal: str, window: ChainWindow) -> tuple[str, Outcome] | None:
         for links in reversed(window.answers):
             found = {
                 c for c in (self._links.get((principal, link)) for link in links) if c is not None
@@ -185,32 +269,77 @@ class AnswerChains:
             if not found:
                 continue  # an assistant message this server never wrote
             chain = found.pop() if len(found) == 1 else _AMBIGUOUS
-            if chain == _AMBIGUOUS or self._chains.get(chain) != window.instructions:
+            state = self._chains.get(chain)
+            if state is None:
                 return None
-            return chain
-        recent = self._openings.get((principal, window.instructions), ())
-        for chain, opening in reversed(recent):
-            if chain in self._chains and any(opening in text for text in window.user_texts):
-                return chain
-        return None
+            return chain, "continued" if state.instructions == window.instructions else "side"
+        stretched = self._by_stretch(principal, window)
+        return None if stretched is None else (stretched, "continued")
 
-    def record(self, principal: str, chain: str, answer: Answer) -> None:
-        """The server answered ``chain``'s request with ``answer``."""
-        instructions = self._chains.get(chain)
-        if instructions is None:
+    def _by_stretch(self, principal: str, window: ChainWindow) -> str | None:
+        recent = self._recent.get(principal)
+        texts = [t for t in window.user_texts if len(t) >= PROBE_CHARS]
+        if not recent or not texts:
+            return None
+        texts = [normalised(t) for t in texts]
+        found = {
+            chain
+            for chain, stretches in recent
+            if chain in self._chains and _found_in(stretches, texts)
+        }
+        if len(found) != 1:
+            return None  # none, or two conversations' answers: never joined
+        chain = found.pop()
+        return chain if self._chains[chain].instructions == window.instructions else None
+
+    def _learn_side_prompt(self, principal: str, state: _Chain, window: ChainWindow) -> None:
+        """The chain's last request was answered, its answer did not come back and its last
+        user message is gone: that message is a side prompt."""
+        if state.last_user is None or not state.answered or window.carries(state.answered):
+            return
+        length, link = state.last_user
+        if any(len(t) == length and text_link(t) == link for t in window.user_texts):
+            return
+        learned = self._side_prompts.pop(principal, None) or OrderedDict()
+        learned[link] = None
+        self._bound(learned, MAX_SIDE_PROMPTS)
+        self._side_prompts[principal] = learned
+        self._bound(self._side_prompts, self._max_chains)
+
+    def _is_side_prompt(self, principal: str, window: ChainWindow) -> bool:
+        learned = self._side_prompts.get(principal)
+        last = window.last_user()
+        return learned is not None and last is not None and text_link(last) in learned
+
+    def record(self, principal: str, chain: str, answer: Answer, main: bool = True) -> None:
+        """The server answered ``chain``'s request with ``answer`` (``main``: the chain's
+        window, not a side request)."""
+        state = self._chains.get(chain)
+        if state is None:
             return  # forgotten meanwhile
-        for link in answer.links():
+        links = answer.links()
+        for link in links:
             key = (principal, link)
             known = self._links.get(key)
             self._links[key] = chain if known in (None, chain) else _AMBIGUOUS
             self._links.move_to_end(key)
-        while len(self._links) > self._max_links:
-            self._links.popitem(last=False)
-        opening = answer.opening()
-        if opening is not None:
-            place = (principal, instructions)
-            recent = self._openings.pop(place, None) or deque(maxlen=RECENT_OPENINGS)
-            recent.append((chain, opening))
-            self._openings[place] = recent
-            while len(self._openings) > self._max_chains:
-                self._openings.popitem(last=False)
+        self._bound(self._links, self._max_links)
+        if main:
+            state.answered = tuple(links)
+        stretches = probes(answer.text)
+        if stretches:
+            recent = self._recent.pop(principal, None) or deque(maxlen=RECENT_ANSWERS)
+            recent.append((chain, stretches))
+            self._recent[principal] = recent
+            self._bound(self._recent, self._max_chains)
+
+    @staticmethod
+    def _bound(table: OrderedDict[Any, Any], most: int) -> None:
+        while len(table) > most:
+            table.popitem(last=False)
+
+
+def _last_user_key(window: ChainWindow) -> tuple[int, str] | None:
+    last = window.last_user()
+    link = text_link(last) if last is not None else None
+    return None if link is None or last is None else (len(last), link)

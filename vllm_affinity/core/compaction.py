@@ -28,8 +28,9 @@ session, from two things:
   - a window whose first change is the old window's last conversational message, and that
     holds at most one conversational message from there on, is a **retry** (Claude Code
     re-sends a changed last user message when an answer had no visible text, its environment
-    block after it unchanged): the next window decides which one the thread continues, so
-    nothing is released;
+    block after it unchanged; a chat UI's edited last message): the next window decides which
+    one the thread continues, so nothing is released; so is the same window again (a chat
+    UI's regenerated answer, a client's retried call);
   - anything else drops or changes an earlier message, or moves on past the changed one: a
     **rewrite** (a compaction's new window, a rewind, a masked tool result; opencode's
     compaction right after a session's first turn, whose new window keeps only the
@@ -332,6 +333,8 @@ def _by_shape(thread: _Thread | None, window: Window) -> Verdict:
     if window.has_tools and not old.has_tools:
         return "first"  # the main thread starts: what came before it was a side branch
     kept = common_prefix_length(old.messages, window.messages)
+    if kept == len(old.messages) == len(window.messages):
+        return "retry"  # the same window again: its answer regenerated
     dropped = range(kept, len(old.messages))
     if all(old.is_instruction(i) for i in dropped):  # all kept, trailing instructions aside
         return "append"
