@@ -280,3 +280,51 @@ def test_instructions_key_names_the_instructions_whatever_follows() -> None:
     assert instructions_key(chat(None, "no instructions")) is None
     responses = ResponsesRequest(model="m", input="hi", instructions="You are A.")
     assert instructions_key(responses) is not None
+
+
+def test_a_request_carrying_a_chains_answer_under_other_instructions_is_its_side_branch() -> None:
+    """Qwen Code's compression request (its own system prompt, the conversation): bound under
+    the chain's side branch, judged ``side`` without asking the rule, its answer recorded
+    under the chain, so that the window carrying the summary continues the chain. With the
+    table here and in the engine."""
+    from vllm_affinity.core.compaction import side_branch
+
+    summary = "The parser's loop was off by one; fixed, one test added, next the suite. " * 2
+    task = {"role": "user", "content": "fix it"}
+
+    async def run(chains: Any) -> tuple[list[Any], list[Any]]:
+        records = AnswerRecords(chains)
+        service = SimpleNamespace(answers=records, metrics=AffinityMetrics(CollectorRegistry()))
+        paths = []
+        for system, messages, answer in (
+            ("You code.", [task], "Done: fixed."),
+            ("Summarize.", [task, {"role": "assistant", "content": "Done: fixed."}], summary),
+            ("You code.", [{"role": "user", "content": f"Summary:\n{summary.strip()}"}], "ok"),
+        ):
+            body = {"messages": [{"role": "system", "content": system}, *messages]}
+            path = path_of(body, {}, [])
+            path.service = cast(Any, service)
+            path.serving = SimpleNamespace(_get_session_id=lambda request, raw: request.session_id)
+            path.settings = Settings(lifecycle=False)
+            await request_path.implicit_session(path)
+            if path.chain_outcome == "side":
+                await request_path.session(path)
+                assert path.window is not None  # its instruction length is measured then
+                path.window = None  # (with vLLM's renderer: tested on a real server)
+            else:
+                path.session = path.chain
+
+            async def vllm(text: str = answer) -> Any:
+                return _response(text)
+
+            await finish(path, vllm())
+            await records.drain()
+            paths.append(path)
+        return [p.chain_outcome for p in paths], paths
+
+    for chains in (LocalChains(100), _engine_chains(SimpleNamespace())):
+        outcomes, (first, side, compacted) = asyncio.run(run(chains))
+        assert outcomes == ["started", "side", "continued"]
+        assert side.verdict == "side" and side.request.session_id == side_branch(first.chain)
+        assert side.session is not None and side.session.endswith(side_branch(first.chain))
+        assert compacted.chain == first.chain
