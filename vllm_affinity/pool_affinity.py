@@ -247,10 +247,21 @@ class PoolAffinity:
             self._note_side_head(to, self._side_heads.pop(branch, 0))
 
     def _settle_side(self, settling: str, chain: list[Any]) -> None:
-        """The session's next side request says what of the side branch a rewrite left behind
-        it hits again: the rest is dead (in every group). Its instructions are kept whatever
-        the new prompt is (a side prompt of another kind may come between two of the same)."""
-        head = self._side_heads.pop(settling, 0)
+        """The session's next side request of the same kind (one that hits every block of
+        the instructions of the side branch a rewrite left behind) says what of that branch
+        it hits again: the rest is dead (in every group), the instructions kept. A side
+        request of another kind (Qwen Code's suggestion between two memory extractions, whose
+        tools a template may render first alike) settles nothing: the one of the same kind
+        may still return to the branch's prefix."""
+        head = self._side_heads.get(settling, 0)
+        firsts = self._first_stale(settling, chain)
+        same_kind = all(
+            first >= group.blocks_holding(head) - 1
+            for first, group in zip(firsts, self.groups, strict=True)
+        )
+        if not (same_kind and self._any_hit(settling, firsts)):
+            return
+        self._side_heads.pop(settling, None)
         self.release_divergent(settling, chain, "compaction", keep_tokens=head)
         for table in self.tables:
             table.forget(settling)

@@ -711,16 +711,19 @@ def test_a_rewrite_sets_a_side_branch_apart_until_the_next_side_request() -> Non
     assert_no_leak(manager)
 
 
-def test_the_next_side_request_keeps_the_old_ones_instructions_and_releases_the_rest() -> None:
+def test_the_next_side_request_of_its_kind_keeps_the_instructions_and_releases_the_rest() -> None:
     """Qwen Code's memory extractor, opencode's summarizer, Claude Code's title request: a
-    prompt of their own, sent again with the same instructions and a new conversation. The
-    next one settles the old: what followed its instructions is released, the blocks that
-    hold them kept (the one straddling their end included), even where the new prompt is of
-    another kind and shares nothing."""
+    prompt of their own, sent again with the same instructions and a new conversation. A side
+    request of another kind (nothing in common) settles nothing; the next one of the same kind
+    settles the old: what followed its instructions is released, the blocks that hold them
+    kept (the one straddling their end included)."""
     from vllm_affinity.core.compaction import settling_branch
 
     manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
-    side_call(manager, tokens(7000, 3))  # another side prompt: nothing in common
+    side_call(manager, tokens(7000, 3))  # another kind of side prompt: nothing in common
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 6
+    assert settling_branch("cc") in state.sessions.latest
+    side_call(manager, [*tokens(5000, 1), *tokens(7100, 2)], head=BLOCK + 5)  # the same kind
     assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
     stats = state.stats()
     assert stats.releases_compaction == 2 and stats.block_released_compaction == 7 + 4

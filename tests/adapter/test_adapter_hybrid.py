@@ -294,9 +294,9 @@ def test_a_model_with_no_cacheable_group_starts_all_the_same() -> None:
 def test_a_side_branch_is_settled_by_its_next_request_in_every_group() -> None:
     """gpt-oss's shape (sliding window beside full attention): a coding agent's compaction,
     told by the rule (``kv_rewrite``), releases the main thread's dead blocks in both groups and
-    sets its side branch apart; the next side request (a prompt of its own, ``kv_head``: 1.5
-    blocks of instructions) releases what followed the old one's instructions, in both groups;
-    the blocks holding the instructions stay in both."""
+    sets its side branch apart; the next side request of its kind (its instructions, ``kv_head``:
+    1.5 blocks, then another conversation) releases what followed them, in both groups;
+    the blocks holding the instructions stay in both. One of another kind settles nothing."""
     from vllm_affinity.core.compaction import side_branch
     from vllm_affinity.engine import HEAD_KEY, REWRITE_KEY
 
@@ -320,7 +320,9 @@ def test_a_side_branch_is_settled_by_its_next_request_in_every_group() -> None:
     )
     state.on_new_request(compacted, release_on_divergence=False)
     assert [g.blocks_released for g in state.group_stats()] == [7, 7]  # the main thread's
-    side_request(tokens(7000, 2))  # the next side request: another prompt
+    side_request(tokens(7000, 2))  # another kind of side request: settles nothing
+    assert [g.blocks_released for g in state.group_stats()] == [7, 7]
+    side_request([*tokens(5000, 2), *tokens(7100, 1)])  # the same kind: its instructions
     for group in side_held:  # 6 prompt blocks; the partial answer block is uncached (FREE)
         segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in group[:6]]
         assert segments == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4

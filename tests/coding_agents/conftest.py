@@ -25,20 +25,20 @@ from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
 from vllm_affinity.tiny_model import build
 
-from .empty_answers import FILE_ENV as EMPTY_ANSWERS_ENV
-from .empty_answers import FQCN as EMPTY_ANSWERS_FQCN
+from .scripted_answers import FILE_ENV as SCRIPTED_ANSWERS_ENV
+from .scripted_answers import FQCN as SCRIPTED_ANSWERS_FQCN
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / ".cache" / "agents" / "node_modules" / ".bin"
 API_KEY = "sk-agents-test-000000"
 
 
-#: The file through which a test makes the model answer empty (``empty_answers.py``).
-EMPTY_ANSWERS = Path(tempfile.gettempdir()) / f"jiuwen-empty-answers-{os.getpid()}"
+#: The file through which a test scripts the model's answers (``scripted_answers.py``).
+SCRIPTED_ANSWERS = Path(tempfile.gettempdir()) / f"jiuwen-scripted-answers-{os.getpid()}"
 
 
 def _agents_server() -> VLLMServer:
-    EMPTY_ANSWERS.unlink(missing_ok=True)
+    SCRIPTED_ANSWERS.unlink(missing_ok=True)
     return VLLMServer(
         model=build(size="long"),
         plugin=True,
@@ -48,13 +48,13 @@ def _agents_server() -> VLLMServer:
         worker_in_engine=True,
         # two API-server processes, each taking connections as they come: every agent's
         # windows are judged by the engine, which sees all of a session's requests; and a
-        # model that answers empty when a test asks it to
-        extra_args=("--api-server-count", "2", "--logits-processors", EMPTY_ANSWERS_FQCN),
+        # model that answers what a test scripts
+        extra_args=("--api-server-count", "2", "--logits-processors", SCRIPTED_ANSWERS_FQCN),
         env={
             # agents that name no session get the chains of their answers (aider, Qwen Code
             # without its request metadata); the others are not touched by it
             "VLLM_AFFINITY_IMPLICIT_SESSIONS": "answers",
-            EMPTY_ANSWERS_ENV: str(EMPTY_ANSWERS),
+            SCRIPTED_ANSWERS_ENV: str(SCRIPTED_ANSWERS),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         },
     )
@@ -80,7 +80,7 @@ def counters(server: VLLMServer) -> dict[str, int]:
     for verdict in VERDICTS:
         count = server.metric("vllm_affinity_agent_windows_total", verdict=verdict)
         flat[f"windows.{verdict}"] = int(count)
-    for outcome in ("continued", "started"):
+    for outcome in ("continued", "started", "side"):
         count = server.metric("vllm_affinity_implicit_sessions_total", outcome=outcome)
         flat[f"implicit.{outcome}"] = int(count)
     return flat
@@ -398,16 +398,21 @@ class InteractiveQwenCode:
     home: Path
     project: Path
     terminal: Tmux = field(default_factory=lambda: Tmux("Qwen Code", "esc to cancel", 300))
+    #: False: its default, no session on the wire (the server tells it from its answers)
+    request_metadata: bool = True
 
     def start(self) -> InteractiveQwenCode:
         self.project.mkdir(parents=True)
         subprocess.run(["git", "init", "-q", str(self.project)], check=True)
+        generation: dict[str, Any] = {"contextWindowSize": 131072}
+        if self.request_metadata:
+            generation["enableRequestMetadata"] = True
         provider = {
             "id": SERVED_NAME,
             "name": SERVED_NAME,
             "baseUrl": self.server.base_url,
             "envKey": "AGENTS_TEST_KEY",
-            "generationConfig": {"enableRequestMetadata": True, "contextWindowSize": 131072},
+            "generationConfig": generation,
         }
         settings = {
             "modelProviders": {"openai": [provider]},
@@ -418,8 +423,8 @@ class InteractiveQwenCode:
         (self.home / ".qwen" / "settings.json").write_text(json.dumps(settings))
         env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "TERM": "xterm-256color"}
         env["AGENTS_TEST_KEY"] = API_KEY
-        # its request metadata goes to DashScope only: the proxy variable makes the server one
-        env["DASHSCOPE_PROXY_BASE_URL"] = self.server.base_url
+        if self.request_metadata:  # it goes to DashScope only: the proxy makes the server one
+            env["DASHSCOPE_PROXY_BASE_URL"] = self.server.base_url
         command = [str(self.binary), "--approval-mode", "yolo", "--system-prompt", "You code."]
         command += ["--core-tools", "read_file,edit,run_shell_command"]
         self.terminal.launch(self.project, env, command)
@@ -476,15 +481,20 @@ def opencode(agents_server: VLLMServer, tmp_path: Path) -> Iterator[OpenCode]:
         agent.stop()
 
 
-@pytest.fixture
+@pytest.fixture(params=[True], ids=["metadata"])
 def interactive_qwen_code(
-    agents_server: VLLMServer, tmp_path: Path
+    agents_server: VLLMServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[InteractiveQwenCode]:
+    """Qwen Code interactive; ``request.param`` (indirect parametrisation): its request
+    metadata on (the default here) or off (its own default)."""
     if shutil.which("tmux") is None:
         pytest.fail("tmux is missing: `make debian-tools` installs it")
     home = tmp_path / "home"
     home.mkdir()
-    agent = InteractiveQwenCode(installed("qwen"), agents_server, home, tmp_path / "project")
+    agent = InteractiveQwenCode(
+        installed("qwen"), agents_server, home, tmp_path / "project",
+        request_metadata=bool(request.param),
+    )  # fmt: skip
     try:
         yield agent.start()
     finally:

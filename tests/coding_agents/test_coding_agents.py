@@ -8,7 +8,7 @@ from collections.abc import Callable
 from vllm_affinity.testing import VLLMServer
 
 from .conftest import (
-    EMPTY_ANSWERS,
+    SCRIPTED_ANSWERS,
     ClaudeCode,
     CodexCli,
     Delta,
@@ -17,7 +17,7 @@ from .conftest import (
     OpenCode,
     quiet,
 )
-from .empty_answers import ask_empty, pending
+from .scripted_answers import ask_empty, pending
 
 
 def released(delta: Delta) -> int:
@@ -75,11 +75,11 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     assert turns["windows.append"] >= 1, turns.after
     assert turns["windows.rewrite"] == 0 and turns["releases"] == 0, turns.after
 
-    ask_empty(EMPTY_ANSWERS)  # the summary's first answer is empty: Claude Code asks again
+    ask_empty(SCRIPTED_ANSWERS)  # the summary's first answer is empty: Claude Code asks again
     agent.type("/compact", "Compacted")
     quiet(agents_server)
     compact = watch()
-    assert pending(EMPTY_ANSWERS) == 0
+    assert pending(SCRIPTED_ANSWERS) == 0
 
     agent.type("third question after compaction", "summary ok.")
     quiet(agents_server)
@@ -253,20 +253,20 @@ def test_claude_code_empty_answers_are_retried_and_release_only_what_is_dead(
     claude_code.ask("first question about the weather")
     first = watch()
     assert first["windows.first"] == 1 and first["releases"] == 0
-    ask_empty(EMPTY_ANSWERS)
+    ask_empty(SCRIPTED_ANSWERS)
     claude_code.ask("second question about the plan")
     empty = watch()
-    assert pending(EMPTY_ANSWERS) == 0  # the model did answer empty
+    assert pending(SCRIPTED_ANSWERS) == 0  # the model did answer empty
     assert empty["windows.retry"] == 1 and empty["windows.rewrite"] == 0, empty.after
     assert empty["releases"] == 0, empty.after
     claude_code.ask("third question")
     after = watch()  # goes on from the retry: the replaced message is dead (within a block)
     assert after["windows.append"] == 1 and released(after) <= 1, after.after
 
-    ask_empty(EMPTY_ANSWERS)
+    ask_empty(SCRIPTED_ANSWERS)
     claude_code.ask("/compact")
     compact = watch()
-    assert pending(EMPTY_ANSWERS) == 0
+    assert pending(SCRIPTED_ANSWERS) == 0
     claude_code.ask("fourth question after compaction")
     rewrite = watch()
     assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1

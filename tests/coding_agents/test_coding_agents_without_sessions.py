@@ -18,7 +18,17 @@ import pytest
 
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
-from .conftest import API_KEY, ROOT, Delta, installed
+from .conftest import (
+    API_KEY,
+    ROOT,
+    SCRIPTED_ANSWERS,
+    Delta,
+    InteractiveQwenCode,
+    installed,
+    quiet,
+)
+from .scripted_answers import script
+from .test_coding_agents import ANSWER, blocks_of, question, released
 
 AIDER = ROOT / ".venv-aider" / "bin" / "aider"
 
@@ -104,3 +114,70 @@ def test_qwen_code_without_request_metadata_is_bound_and_releases_nothing(
     delta = watch()
     assert delta["implicit.started"] >= 1, delta.changed()  # bound to a conversation of its own
     nothing_released(delta)
+
+
+#: A summary as models write them for Qwen Code's and Claude Code's compaction prompts: an
+#: analysis (Qwen Code cuts it) and the state it keeps.
+SUMMARY = (
+    "<analysis>\nThe user asked three questions about the weather and the plan; I answered "
+    "each one briefly and no file was changed, so the state is only the conversation.\n"
+    "</analysis>\n\n<state_snapshot>\n<overall_goal>Answer the user's questions about the "
+    "weather and about the plan for the week.</overall_goal>\n<key_knowledge>The user "
+    "prefers short answers; the forecast questions concern Oslo and Lima.</key_knowledge>\n"
+    "<current_plan>1. [DONE] the weather. 2. [DONE] the plan. 3. [TODO] whatever the user "
+    "asks next.</current_plan>\n</state_snapshot>"
+)
+
+
+@pytest.mark.parametrize("interactive_qwen_code", [False], indirect=True, ids=["no-metadata"])
+def test_qwen_code_by_default_compress_releases_the_old_window_and_suggestions_are_sides(
+    interactive_qwen_code: InteractiveQwenCode,
+    agents_server: VLLMServer,
+    watch: Callable[[], Delta],
+) -> None:
+    """Qwen Code as installed: no session on the wire. Its turns are one conversation (each
+    carries the last answer back); its next-prompt suggestion (the conversation and a fixed
+    prompt, answered and dropped) is learned as a side prompt once the next turn drops it;
+    its compression request (its own system prompt, the conversation) is a side request; the
+    window after ``/compress`` carries the summary cut (its analysis gone), trimmed and framed,
+    and continues the conversation: a rewrite that releases the old window, none of whose
+    blocks a later prompt hits."""
+    agent = interactive_qwen_code
+    script(SCRIPTED_ANSWERS, unique=True)  # a real model's answers differ
+    try:
+        watch()
+        steps = {}
+        for n, text in enumerate(("first question about the weather", question(1), "third")):
+            agent.type(text, ANSWER)
+            quiet(agents_server)
+            steps[f"turn{n}"] = watch()
+        script(SCRIPTED_ANSWERS, [SUMMARY])
+        agent.type("/compress", "compressed")
+        quiet(agents_server)
+        steps["compress"] = watch()
+        agent.type("fourth question after compression", ANSWER)
+        quiet(agents_server)
+        steps["rewrite"] = watch()
+        agent.type("fifth question", ANSWER)
+        quiet(agents_server)
+        steps["plain"] = watch()
+    finally:
+        script(SCRIPTED_ANSWERS, unique=False)
+    print({k: v.changed() for k, v in steps.items()})
+    turns = [steps[f"turn{n}"] for n in range(3)]
+    assert turns[0]["implicit.started"] == 1 and turns[0]["windows.first"] == 1, steps
+    # its memory extractor (its own system prompt and tools, the conversation): a side request
+    assert turns[0]["implicit.side"] >= 1, turns[0].changed()
+    assert all(t["releases"] == 0 and t["windows.rewrite"] == 0 for t in turns), steps
+    assert all(t["implicit.continued"] >= 1 for t in turns[1:]), steps
+    # the first suggestion is an append the next turn settles as a retry; from then on the
+    # suggestion is known: a side request, not the conversation's window
+    assert turns[2]["windows.retry"] <= 1 and turns[2]["implicit.side"] >= 2, turns[2].changed()
+    compress, rewrite, plain = steps["compress"], steps["rewrite"], steps["plain"]
+    # its compression request carries the conversation and the main prompt: an append
+    assert compress["windows.rewrite"] == 0, compress.changed()
+    # the window after it carries the summary, cut and framed: the same conversation, rewritten
+    assert rewrite["implicit.started"] == 0 and rewrite["windows.rewrite"] == 1, rewrite.changed()
+    assert released(rewrite) >= blocks_of(agents_server, question(1)), rewrite.changed()
+    assert plain["windows.append"] == 1 and plain["windows.rewrite"] == 0, plain.changed()
+    assert sum(s["released_hit"] for s in steps.values()) == 0, steps

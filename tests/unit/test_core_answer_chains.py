@@ -62,7 +62,10 @@ def test_sessions_sharing_a_prompt_and_a_first_message_stay_apart() -> None:
     for n, name in enumerate(names):
         chains.record("p", name, Answer("", (f"call_{n}",)))
     for n, name in enumerate(names):
-        assert chains.chain_of("p", window(user("same task"), *called(f"call_{n}"))) == (name, "continued")
+        assert chains.chain_of("p", window(user("same task"), *called(f"call_{n}"))) == (
+            name,
+            "continued",
+        )
     chains.record("p", names[0], Answer("The same words."))
     chains.record("p", names[1], Answer("The same words."))
     alike = window(user("same task"), *called("call_0"), said("The same words."), user("go on"))
@@ -108,9 +111,11 @@ def stripped(summary: str) -> str:
     """What Qwen Code and Claude Code put in the new window: the analysis cut, the rest
     trimmed, re-wrapped, between a preamble and a trailer."""
     body = summary.split("</analysis>", 1)[1].strip()
-    return "This session continues an earlier one. Summary:\n\n" + body.replace(
-        ", ", ",\n  "
-    ) + "\n\nResume the prior task using the summary above."
+    return (
+        "This session continues an earlier one. Summary:\n\n"
+        + body.replace(", ", ",\n  ")
+        + "\n\nResume the prior task using the summary above."
+    )
 
 
 def test_a_summary_cut_and_rewrapped_continues_the_chain_that_wrote_it() -> None:
