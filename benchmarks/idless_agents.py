@@ -131,19 +131,70 @@ async def agent(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -
         await asyncio.sleep(rng.uniform(0, shape.think_s))
 
 
-async def run_sessions(base_url: str, sessions: int, shape: Shape) -> Tally:
+async def one_shot(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -> None:
+    """A load test's client: independent prompts (a system prompt every client shares, a
+    question of its own), none followed up."""
+    rng = random.Random(2000 + n)
+    system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
+    for step in range(1, shape.steps + 1):
+        question = {"role": "user", "content": filler_text(rng, shape.output_pairs)}
+        _, usage = await ask(
+            client, [system, question], shape.answer_tokens, False, n * 10_000 + step
+        )
+        tally.add("main", usage)
+        await asyncio.sleep(rng.uniform(0, shape.think_s))
+
+
+async def chat(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -> None:
+    """A chat UI's user: no tools, the whole chat each time; every fifth answer regenerated
+    (the same chat again), every seventh message edited (the last one replaced), and every
+    eleventh an earlier message edited (the chat goes on from there)."""
+    rng = random.Random(3000 + n)
+    system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
+    window: list[dict[str, Any]] = [system, {"role": "user", "content": "Hello!"}]
+    for step in range(1, shape.steps + 1):
+        seed = n * 10_000 + step
+        answer, usage = await ask(client, window, shape.answer_tokens, False, seed)
+        tally.add("main", usage)
+        if step % 5 == 0:  # regenerate
+            answer, usage = await ask(client, window, shape.answer_tokens, False, seed + 5000)
+            tally.add("regenerate", usage)
+        if step % 7 == 0:  # the last message edited
+            window[-1] = {"role": "user", "content": filler_text(rng, shape.output_pairs)}
+            answer, usage = await ask(client, window, shape.answer_tokens, False, seed + 7000)
+            tally.add("edit", usage)
+        window += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": filler_text(rng, shape.output_pairs)},
+        ]
+        if step % 11 == 0 and len(window) > 6:  # an earlier message edited: a branch
+            window = [
+                *window[:3],
+                {"role": "user", "content": filler_text(rng, shape.output_pairs)},
+            ]
+        await asyncio.sleep(rng.uniform(0, shape.think_s))
+
+
+#: The traffic a grid runs: agents that name no session, a load test, chat UIs.
+TRAFFIC = {"agents": agent, "one-shot": one_shot, "chat": chat}
+
+
+async def run_sessions(base_url: str, sessions: int, shape: Shape, traffic: str) -> Tally:
     tally = Tally()
+    client_of = TRAFFIC[traffic]
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        await asyncio.gather(*(agent(client, n, shape, tally) for n in range(sessions)))
+        await asyncio.gather(*(client_of(client, n, shape, tally) for n in range(sessions)))
     return tally
 
 
-def measure(plugin: bool, pool: int, sessions: int, shape: Shape) -> dict[str, Any]:
-    env = {"VLLM_AFFINITY_IMPLICIT_SESSIONS": "answers"} if plugin else {}
+def measure(
+    plugin: bool, pool: int, sessions: int, shape: Shape, traffic: str = "agents"
+) -> dict[str, Any]:
+    env: dict[str, str] = {}  # the plugin as it ships: implicit sessions on by default
     longest = min(4096, (pool - 4) * 32)  # vLLM needs a whole request to fit in the pool
     server = VLLMServer(plugin=plugin, num_blocks=pool, max_model_len=longest, eager=True, env=env)
     with server:
-        tally = asyncio.run(run_sessions(server.base_url, sessions, shape))
+        tally = asyncio.run(run_sessions(server.base_url, sessions, shape, traffic))
         extra: dict[str, Any] = {}
         if plugin:
             (engine,) = server.affinity_stats()["engines"]
@@ -174,31 +225,46 @@ def main(argv: list[str] | None = None) -> int:
         "--pools", default="64,76", help="pool sizes in blocks per session, comma-separated"
     )
     parser.add_argument("--sessions", default="1,4", help="concurrent sessions per grid")
+    parser.add_argument(
+        "--traffic", default="agents,one-shot,chat", help=f"among {', '.join(TRAFFIC)}"
+    )
     parser.add_argument("--steps", type=int, default=Shape.steps)
     parser.add_argument("--out", default="benchmarks/results/idless_agents.json")
     args = parser.parse_args(argv)
     shape = Shape(steps=args.steps)
+    traffics = args.traffic.split(",")
+    unknown = set(traffics) - set(TRAFFIC)
+    if unknown:
+        parser.error(
+            f"unknown traffic {', '.join(sorted(unknown))}: choose among {', '.join(TRAFFIC)}"
+        )
     cells = []
-    for sessions in (int(s) for s in args.sessions.split(",")):
-        for pool in (int(p) * sessions for p in args.pools.split(",")):
-            cell: dict[str, Any] = {"sessions": sessions, "pool_blocks": pool}
-            for side in ("vanilla", "plugin"):
-                print(f"{sessions} session(s), {pool} blocks, {side} ...", flush=True)
-                cell[side] = measure(side == "plugin", pool, sessions, shape)
-            cell["ratio"] = round(cell["plugin"]["computed"] / cell["vanilla"]["computed"], 3)
-            print(f"  computed: vanilla {cell['vanilla']['computed']}, plugin "
+    grid = [
+        (traffic, sessions, int(p) * sessions)
+        for traffic in traffics
+        for sessions in (int(s) for s in args.sessions.split(","))
+        for p in args.pools.split(",")
+    ]
+    for traffic, sessions, pool in grid:
+        cell: dict[str, Any] = {"traffic": traffic, "sessions": sessions, "pool_blocks": pool}
+        for side in ("vanilla", "plugin"):
+            print(f"{traffic}: {sessions} session(s), {pool} blocks, {side} ...", flush=True)
+            cell[side] = measure(side == "plugin", pool, sessions, shape, traffic)
+        cell["ratio"] = round(cell["plugin"]["computed"] / cell["vanilla"]["computed"], 3)
+        print(f"  computed: vanilla {cell['vanilla']['computed']}, plugin "
                   f"{cell['plugin']['computed']} (x{cell['ratio']})", flush=True)  # fmt: skip
-            cells.append(cell)
+        cells.append(cell)
     lines = [
-        "| sessions | pool (blocks) | vanilla computed | plugin computed | ratio | released | "
-        "chains continued / started |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| traffic | sessions | pool (blocks) | vanilla computed | plugin computed | ratio | "
+        "released | released hit | chains continued / started |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         p = c["plugin"]
         lines.append(
-            f"| {c['sessions']} | {c['pool_blocks']} | {c['vanilla']['computed']} | "
-            f"{p['computed']} | {c['ratio']} | {p['released']} | "
+            f"| {c['traffic']} | {c['sessions']} | {c['pool_blocks']} | "
+            f"{c['vanilla']['computed']} | {p['computed']} | {c['ratio']} | {p['released']} | "
+            f"{p['released_hit']} | "
             f"{p['chains_continued']} / {p['chains_started']} |"
         )
     result = {"shape": asdict(shape), "cells": cells}

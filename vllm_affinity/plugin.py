@@ -76,9 +76,13 @@ class AffinityEndpoint:
         state.jiuwen_affinity = service
         self._refresh = asyncio.get_running_loop().create_task(self._refresh_stats(service))
         logger.info(
-            "vllm_affinity: /release_kv_cache ready (block size %d, cache sharing %s)",
+            "vllm_affinity: /release_kv_cache ready (block size %d, cache sharing %s); "
+            "requests that name no session: %s (VLLM_AFFINITY_IMPLICIT_SESSIONS)",
             service.block_size,
             "allowed" if self.settings.allow_cache_sharing else "refused",
+            "told by the answers they carry back"
+            if self.settings.implicit_sessions == "answers"
+            else "served as vanilla vLLM does",
         )
 
     async def _refresh_stats(self, service: Any) -> None:

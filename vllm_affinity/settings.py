@@ -72,10 +72,10 @@ class Settings:
     #: A header a trusted gateway sets to name the request's tenant: sessions are scoped to it
     #: (``core/tenants.py``); empty: scoped to the API key, when the server has keys.
     tenant_header: str = ""
-    #: Sessions for requests that name none (aider, mini-swe-agent, Qwen Code by default),
-    #: told by the answers each window carries back (``core/answer_chains.py``): ``answers``;
-    #: ``off``, the default, serves them as vanilla vLLM does.
-    implicit_sessions: str = "off"
+    #: Sessions for requests that name none (aider, mini-swe-agent, Qwen Code by default, chat
+    #: UIs), told by the answers each window carries back (``core/answer_chains.py``):
+    #: ``answers``, the default; ``off`` serves them as vanilla vLLM does.
+    implicit_sessions: str = "answers"
     #: On a model with a sliding-window or Mamba group, keep that state at the end of each
     #: request's instructions (``checkpoints.py``); off: vLLM's own junctions only.
     checkpoints: bool = True
@@ -104,7 +104,7 @@ class Settings:
             protect_share=_share(env, "VLLM_AFFINITY_PROTECT_SHARE", 0.0),
             tenant_header=_header_name(env, "VLLM_AFFINITY_TENANT_HEADER"),
             implicit_sessions=_choice(
-                env, "VLLM_AFFINITY_IMPLICIT_SESSIONS", ("answers", "off"), "off"
+                env, "VLLM_AFFINITY_IMPLICIT_SESSIONS", ("answers", "off"), "answers"
             ),
             infer_compaction=_choice(
                 env, "VLLM_AFFINITY_INFER_COMPACTION", ("agents", "all", "off"), "agents"

@@ -24,6 +24,12 @@ def released(delta: Delta) -> int:
     return delta["block_released_compaction"]
 
 
+def settled(delta: Delta) -> dict[str, int]:
+    """A rewrite's step makes one release, and a second where a side request of the kind the
+    session sent before the rewrite settles that side branch (``_settle_side``)."""
+    return delta.changed()
+
+
 def test_claude_code_compact_releases_the_old_window_and_nothing_else(
     claude_code: ClaudeCode, watch: Callable[[], Delta]
 ) -> None:
@@ -43,7 +49,9 @@ def test_claude_code_compact_releases_the_old_window_and_nothing_else(
 
     after = claude_code.ask("third question after compaction")
     rewrite = watch()
-    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
+        rewrite
+    )
     assert released(rewrite) > 50, rewrite.after  # the old window's blocks
 
     later = claude_code.ask("fourth question")
@@ -84,7 +92,9 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     agent.type("third question after compaction", "summary ok.")
     quiet(agents_server)
     rewrite = watch()
-    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
+        rewrite
+    )
     assert released(rewrite) > 50, rewrite.after
 
     hits = agents_server.metric("vllm:prefix_cache_hits_total")
@@ -119,7 +129,9 @@ def test_codex_compaction_releases_the_old_window_and_nothing_else(
     compacted = codex_cli.ask("third question", compact_at=5000)  # compacts before the turn
     rewrite = watch()
     assert rewrite["windows.side"] == 1  # the compaction request: a side branch
-    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
+        rewrite
+    )
     assert released(rewrite) > 50, rewrite.after
 
     later = codex_cli.ask("fourth question")
@@ -164,7 +176,9 @@ def test_opencode_compactions_release_the_old_window_and_nothing_else(
     after = opencode.say(session, "second question about the plan")
     rewrite = watch()
     # the new window keeps only the system prompt and tools: the first turn is dead
-    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
+        rewrite
+    )
     assert released(rewrite) >= blocks_of(agents_server, first), rewrite.after
 
     later = opencode.say(session, "third question")
@@ -231,7 +245,9 @@ def test_qwen_code_interactive_compress_releases_and_side_requests_stay_apart(
     agent.type("third question after compression", ANSWER)
     quiet(agents_server)
     rewrite = watch()
-    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
+        rewrite
+    )
     assert released(rewrite) >= blocks_of(agents_server, second_question), rewrite.after
 
     agent.type("fourth question", ANSWER)
@@ -269,7 +285,9 @@ def test_claude_code_empty_answers_are_retried_and_release_only_what_is_dead(
     assert pending(SCRIPTED_ANSWERS) == 0
     claude_code.ask("fourth question after compaction")
     rewrite = watch()
-    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1
+    assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
+        rewrite
+    )
     assert released(compact) + released(rewrite) > 50, (compact.after, rewrite.after)
     claude_code.ask("fifth question")
     later = watch()

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
@@ -181,3 +183,57 @@ def test_qwen_code_by_default_compress_releases_the_old_window_and_suggestions_a
     assert released(rewrite) >= blocks_of(agents_server, question(1)), rewrite.changed()
     assert plain["windows.append"] == 1 and plain["windows.rewrite"] == 0, plain.changed()
     assert sum(s["released_hit"] for s in steps.values()) == 0, steps
+
+
+def test_a_chat_ui_regenerate_edit_and_branch_get_their_verdicts(
+    agents_server: VLLMServer, watch: Callable[[], Delta]
+) -> None:
+    """A chat UI as Open WebUI or LibreChat talks: no id, the whole chat each time. A
+    regenerated answer re-sends the same chat (a retry: the next message settles it), an edited
+    last message replaces it (a retry), an edited earlier message drops what followed it (a
+    rewrite that releases it). Nothing released is hit again."""
+    system = {"role": "system", "content": f"You are a helpful chat assistant ({uuid.uuid4()})."}
+
+    def send(messages: list[dict[str, str]]) -> tuple[dict[str, str], Delta]:
+        body = {"model": SERVED_NAME, "messages": [system, *messages], "max_tokens": 64}
+        reply = httpx.post(
+            f"{agents_server.base_url}/v1/chat/completions", json=body, timeout=120,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )  # fmt: skip
+        reply.raise_for_status()
+        answer = reply.json()["choices"][0]["message"]["content"]
+        quiet(agents_server)
+        return {"role": "assistant", "content": answer}, watch()
+
+    script(SCRIPTED_ANSWERS, unique=True)
+    try:
+        watch()
+        hello = {"role": "user", "content": "hello"}
+        first, started = send([hello])
+        chat = [hello, first, {"role": "user", "content": question(2)}]
+        _, asked = send(chat)
+        script(SCRIPTED_ANSWERS, [question(3, words=60)])  # a long answer, then regenerated
+        _, again = send(chat)
+        kept, regenerate = send(chat)
+        chat.append(kept)
+        old, new = ({"role": "user", "content": question(n)} for n in (4, 5))
+        _, after_regenerate = send([*chat, old])
+        answer, edited = send([*chat, new])  # the last message edited
+        _, after_edit = send([*chat, new, answer, {"role": "user", "content": "thanks"}])
+        _, branched = send([hello, first, {"role": "user", "content": "plan a dinner instead"}])
+    finally:
+        script(SCRIPTED_ANSWERS, unique=False)
+    assert started["implicit.started"] == 1 and started["windows.first"] == 1
+    assert asked["implicit.continued"] == 1 and asked["windows.append"] == 1
+    assert again["windows.retry"] == 1 and regenerate["windows.retry"] == 1
+    # the next message settles the regenerations: the long answer's blocks are dead
+    assert after_regenerate["windows.append"] == 1
+    assert after_regenerate["block_released_compaction"] >= 1, after_regenerate.changed()
+    assert edited["windows.retry"] == 1 and edited["releases"] == 0, edited.changed()
+    # going on from the edit settles it: the replaced message's blocks are dead
+    assert after_edit["windows.append"] == 1
+    assert after_edit["block_released_compaction"] >= blocks_of(agents_server, question(4))
+    assert branched["windows.rewrite"] == 1 and branched["block_released_compaction"] >= 1
+    steps = (started, asked, again, regenerate, after_regenerate, edited, after_edit, branched)
+    assert sum(s["released_hit"] for s in steps) == 0, [s.changed() for s in steps]
+    assert all(s["implicit.started"] == 0 for s in steps[1:]), [s.changed() for s in steps]
