@@ -170,7 +170,8 @@ def test_qwen_code_by_default_compress_releases_the_old_window_and_suggestions_a
     assert turns[0]["implicit.started"] == 1 and turns[0]["windows.first"] == 1, steps
     # its memory extractor (its own system prompt and tools, the conversation): a side request
     assert turns[0]["implicit.side"] >= 1, turns[0].changed()
-    assert all(t["releases"] == 0 and t["windows.rewrite"] == 0 for t in turns), steps
+    # nothing rewritten; the one release a turn may make settles the first suggestion's retry
+    assert all(t["releases"] <= 1 and t["windows.rewrite"] == 0 for t in turns), steps
     assert all(t["implicit.continued"] >= 1 for t in turns[1:]), steps
     # the first suggestion is an append the next turn settles as a retry; from then on the
     # suggestion is known: a side request, not the conversation's window
@@ -197,7 +198,7 @@ def test_a_chat_ui_regenerate_edit_and_branch_get_their_verdicts(
     def send(messages: list[dict[str, str]]) -> tuple[dict[str, str], Delta]:
         body = {"model": SERVED_NAME, "messages": [system, *messages], "max_tokens": 64}
         reply = httpx.post(
-            f"{agents_server.base_url}/v1/chat/completions", json=body, timeout=120,
+            f"{agents_server.base_url}/chat/completions", json=body, timeout=120,
             headers={"Authorization": f"Bearer {API_KEY}"},
         )  # fmt: skip
         reply.raise_for_status()
