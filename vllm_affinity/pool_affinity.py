@@ -228,17 +228,43 @@ class PoolAffinity:
         """A compaction told from the agent's own requests (``core/compaction.py``): the main
         thread's blocks ``chain`` cannot hit, also when ``chain`` shares no block with them (the
         agent said the old window is gone), and a retry's replaced window past what ``chain``
-        hits, in one release. The session's side branch is set apart to be settled by its
-        next side request (``_settle_side``): it may return to its prefix."""
-        self._move_branch(side_branch(session), settling_branch(session))
-        retried = retried_branch(session)
+        hits, in one release. The session's side branch goes too when it carried the old
+        conversation (Qwen Code's suggestion: the window and one message); one with a prompt
+        of its own (a memory extractor, the Codex CLI's tool-less compaction request) is set
+        apart to be settled by the next side request of its kind (``_settle_side``): it may
+        return to its prefix."""
         also: list[ReleaseSelection] = []
+        side = side_branch(session)
+        if side in self.sessions.latest and self._carried_conversation(side, session):
+            also += [table.select_release(side, 0) for table in self.tables]
+            for table in self.tables:
+                table.forget(side)
+        else:
+            self._move_branch(side, settling_branch(session))
+        retried = retried_branch(session)
         if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
             firsts = self._first_stale(retried, chain)
-            also = [t.select_release(retried, f) for t, f in zip(self.tables, firsts, strict=True)]
+            also += [t.select_release(retried, f) for t, f in zip(self.tables, firsts, strict=True)]
             for table in self.tables:
                 table.forget(retried)
         return self.release_divergent(session, chain, "compaction", also=also)
+
+    def _carried_conversation(self, branch: str, session: str) -> bool:
+        """Whether ``branch``'s latest request started with at least half of ``session``'s
+        blocks (in the first group that holds both): the conversation, not a prompt of its own
+        whose first block a template may render alike (tools first)."""
+        for table in self.tables:
+            side = table.latest.get(branch)
+            main = table.latest.get(session)
+            if side is None or main is None or not main.block_ids:
+                continue
+            shared = 0
+            for side_id, main_id in zip(side.block_ids, main.block_ids, strict=False):
+                if side_id != main_id or side_id == HOLE:
+                    break
+                shared += 1
+            return shared > 0 and 2 * shared >= len(main.block_ids)
+        return False
 
     def _move_branch(self, branch: str, to: str) -> None:
         """``branch``'s finished record (and its instruction length) becomes ``to``'s."""

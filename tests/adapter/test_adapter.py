@@ -748,15 +748,29 @@ def test_the_next_side_request_keeps_what_it_hits_of_the_old_one() -> None:
     assert_no_leak(manager)
 
 
-def test_a_side_branch_that_carried_the_conversation_is_settled_by_the_next_side_request() -> None:
-    """A side request that starts as the main thread does (Qwen Code's next-prompt suggestion,
-    a compaction request) carried the old conversation: once the window is rewritten and the
-    next side request starts from the new window, all of it is dead but the first block, which
-    the main thread still holds."""
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK, same_start=True)
-    side_call(manager, [*tokens(0, 1), *tokens(900, 2), *tokens(950, 1)], head=BLOCK)
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] + [Segment.RELEASED] * 5
-    assert state.stats().block_released_compaction == 7 + 5
+def test_a_side_branch_that_carried_the_conversation_dies_with_the_old_window() -> None:
+    """A side request that starts with the main thread's window (Qwen Code's next-prompt
+    suggestion: the conversation and one message) carried the old conversation: the rewrite
+    releases it whole, but for the first block, which the new window still holds. One that
+    shares only a first block (a prompt of its own, tools rendered first alike) waits."""
+    from vllm_affinity.core.compaction import settling_branch, side_branch
+    from vllm_affinity.engine import REWRITE_KEY
+
+    manager = make_manager(40)
+    state = state_of(manager)
+    main = make_request([*tokens(0, 8), 1], session="cc")
+    run_prefill(manager, main)
+    manager.free(main)
+    side_ids = side_call(manager, [*tokens(0, 8), *tokens(6000, 2)], head=BLOCK)
+    params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
+    compacted = make_request(
+        [*tokens(0, 1), *tokens(900, 2), 1], session="cc", sampling_params=params
+    )
+    state.on_new_request(compacted, release_on_divergence=False)
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] + [Segment.RELEASED] * 9
+    assert state.stats().block_released_compaction == 9  # the 7 shared with the main thread once
+    assert side_branch("cc") not in state.sessions.latest
+    assert settling_branch("cc") not in state.sessions.latest
     assert_no_leak(manager)
 
 

@@ -15,6 +15,8 @@ def _empty_plugin_server() -> VLLMServer:
         cpu_cores="0",
         eager=True,
         worker_in_engine=True,
+        # the replays' baseline (no hook, no session named) is vanilla's LRU on this server
+        env={"VLLM_AFFINITY_IMPLICIT_SESSIONS": "off"},
     )
 
 

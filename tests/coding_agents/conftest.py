@@ -514,9 +514,12 @@ def quiet(server: VLLMServer, timeout: float = 60) -> None:
 
 
 @pytest.fixture
-def watch(agents_server: VLLMServer) -> Callable[[], Delta]:
-    """``delta = watch()`` after a call: what that call changed (since the last ``watch()``)."""
+def watch(agents_server: VLLMServer) -> Iterator[Callable[[], Delta]]:
+    """``delta = watch()`` after a call: what that call changed (since the last ``watch()``).
+    Whatever the test asserts, no block it saw released may be hit again (``released_hit``):
+    a release never costs a real agent a prefill."""
     last = [counters(agents_server)]
+    start = last[0]
 
     def step() -> Delta:
         now = counters(agents_server)
@@ -524,7 +527,9 @@ def watch(agents_server: VLLMServer) -> Callable[[], Delta]:
         last[0] = now
         return delta
 
-    return step
+    yield step
+    whole = Delta(start, counters(agents_server))
+    assert whole["released_hit"] == 0, f"released blocks were hit again: {whole.changed()}"
 
 
 #: The paths of model calls (not the probes of ``AgentsFleet.place``).

@@ -102,7 +102,8 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     agent.type("fourth question", "summary ok.")
     quiet(agents_server)
     plain = watch()
-    assert released(plain) == 0 and plain["releases"] == 0
+    # the turn's title request settles the one the compaction left (its own prompt kept)
+    assert plain["windows.rewrite"] == 0 and plain["releases"] <= 1, plain.changed()
     # both of the turn's requests read nearly all of their prompts from the cache
     hit = agents_server.metric("vllm:prefix_cache_hits_total") - hits
     assert hit >= 0.9 * (agents_server.metric("vllm:prefix_cache_queries_total") - queries)
@@ -148,7 +149,8 @@ def test_codex_compaction_releases_the_old_window_and_nothing_else(
     again = watch()
     # the second compaction request settles the first (what it does not hit again: the old
     # conversation), and the rewrite releases the second window
-    assert again["windows.rewrite"] == 1 and released(again) > 50, again.changed()
+    assert again["windows.rewrite"] == 1 and again["releases_compaction"] == 2, again.changed()
+    assert released(again) > released(rewrite), again.changed()
     steps = (first, plain, rewrite, after, again)
     assert sum(step["released_hit"] for step in steps) == 0, [s.changed() for s in steps]
 

@@ -173,11 +173,13 @@ def test_qwen_code_by_default_compress_releases_the_old_window_and_suggestions_a
     # nothing rewritten; the one release a turn may make settles the first suggestion's retry
     assert all(t["releases"] <= 1 and t["windows.rewrite"] == 0 for t in turns), steps
     assert all(t["implicit.continued"] >= 1 for t in turns[1:]), steps
-    # the first suggestion is an append the next turn settles as a retry; from then on the
-    # suggestion is known: a side request, not the conversation's window
-    assert turns[2]["windows.retry"] <= 1 and turns[2]["implicit.side"] >= 2, turns[2].changed()
+    # a side prompt not seen yet (the first suggestion) is an append the next window settles as
+    # a retry; once learned, the suggestions are side requests: no turn after the compaction
+    # finds its window replaced
+    assert sum(step["implicit.side"] for step in steps.values()) >= 6, steps
+    assert steps["rewrite"]["windows.retry"] + steps["plain"]["windows.retry"] == 0, steps
     compress, rewrite, plain = steps["compress"], steps["rewrite"], steps["plain"]
-    # its compression request carries the conversation and the main prompt: an append
+    # its compression request carries the conversation and the main prompt: not a rewrite
     assert compress["windows.rewrite"] == 0, compress.changed()
     # the window after it carries the summary, cut and framed: the same conversation, rewritten
     assert rewrite["implicit.started"] == 0 and rewrite["windows.rewrite"] == 1, rewrite.changed()
