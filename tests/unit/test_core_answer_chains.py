@@ -227,3 +227,17 @@ def test_wire_round_trips_and_rejects_garbage() -> None:
             Answer.from_wire(garbage)
     with pytest.raises(ValueError):
         AnswerChains(max_chains=0)
+
+
+def test_only_the_windows_leading_user_text_is_searched() -> None:
+    """A summary opens a compacted window; a stretch found only past ``SCAN_CHARS`` characters
+    of user text (a long first request, a one-shot prompt) links nothing: the search's cost is
+    bounded whatever the window's length."""
+    from vllm_affinity.core.answer_chains import SCAN_CHARS
+
+    chains = AnswerChains()
+    main, _ = chains.chain_of("p", window(user("task")))
+    chains.record("p", main, Answer(SUMMARY))
+    padding = user("x " * SCAN_CHARS)
+    assert chains.chain_of("p", window(user(stripped(SUMMARY)), padding))[0] == main
+    assert chains.chain_of("p", window(padding, user(stripped(SUMMARY))))[1] == "started"

@@ -22,8 +22,9 @@ and tools apart (what makes the guess safe):
 - a window with no known answer is linked by a **stretch** of one of the principal's last
   answers found in its user messages (a compaction's summary): ``PROBES`` stretches of
   ``PROBE_CHARS`` characters spread over the answer's text, whitespace collapsed; two must
-  be found (one for an answer too short for two), only one chain's answers may match, and the
-  chain's instructions must be the window's.
+  be found (one for an answer too short for two) in the first ``SCAN_CHARS`` characters of the
+  window's user messages (where a summary opens a compacted window), only one chain's answers
+  may match, and the chain's instructions must be the window's.
 
 A chain's request whose answer never came back and whose last user message the next window
 dropped was a side request (Qwen Code's next-prompt suggestion: the conversation and one fixed
@@ -53,6 +54,10 @@ PROBE_CHARS = 64
 PROBES = 8
 #: Answers per principal whose stretches a window with no known answer is searched for.
 RECENT_ANSWERS = 8
+#: Characters of a window's user messages searched for stretches, from its first one: a
+#: compaction's summary opens the new window; a long window with no known answer (a first
+#: request, a one-shot prompt) costs no more than this.
+SCAN_CHARS = 65_536
 #: Side prompts learned per principal.
 MAX_SIDE_PROMPTS = 64
 #: A link two chains gave alike: it links neither.
@@ -107,14 +112,19 @@ def probes(text: str) -> tuple[str, ...]:
     return tuple(text[round(i * step) : round(i * step) + PROBE_CHARS] for i in range(count))
 
 
-def _found_in(stretches: tuple[str, ...], texts: list[str]) -> bool:
-    """Whether enough of an answer's ``stretches`` are in ``texts``: two (one where it has
+#: Joins a window's user messages into one text to search: no stretch holds it (it is not
+#: whitespace), so none is found across two messages.
+_JOIN = "\x00"
+
+
+def _found_in(stretches: tuple[str, ...], text: str) -> bool:
+    """Whether enough of an answer's ``stretches`` are in ``text``: two (one where it has
     only one)."""
     needed, hits = min(2, len(stretches)), 0
     for left, stretch in zip(range(len(stretches), 0, -1), stretches, strict=True):
         if hits + left < needed:
             return False
-        if any(stretch in text for text in texts):
+        if stretch in text:
             hits += 1
             if hits >= needed:
                 return True
@@ -281,11 +291,11 @@ class AnswerChains:
         texts = [t for t in window.user_texts if len(t) >= PROBE_CHARS]
         if not recent or not texts:
             return None
-        texts = [normalised(t) for t in texts]
+        text = normalised(_JOIN.join(_leading(texts, SCAN_CHARS)))  # one search per stretch
         found = {
             chain
             for chain, stretches in recent
-            if chain in self._chains and _found_in(stretches, texts)
+            if chain in self._chains and _found_in(stretches, text)
         }
         if len(found) != 1:
             return None  # none, or two conversations' answers: never joined
@@ -337,6 +347,17 @@ class AnswerChains:
     def _bound(table: OrderedDict[Any, Any], most: int) -> None:
         while len(table) > most:
             table.popitem(last=False)
+
+
+def _leading(texts: list[str], limit: int) -> list[str]:
+    """``texts`` up to ``limit`` characters in all, the last one cut."""
+    kept, left = [], limit
+    for text in texts:
+        if left <= 0:
+            break
+        kept.append(text[:left])
+        left -= len(text)
+    return kept
 
 
 def _last_user_key(window: ChainWindow) -> tuple[int, str] | None:
