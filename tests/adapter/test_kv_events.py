@@ -1,0 +1,163 @@
+"""vLLM's KV events stay exact with the plugin: a subscriber that replays them (``BlockStored``
+adds a block's hash to its group's set, ``BlockRemoved`` takes it out, ``AllBlocksCleared``
+empties every set) agrees with the engine's prefix cache after whatever the plugin does to the
+free queue: releases, idles, a child's end, rewrites with side branches and retries, the
+picker's swaps (it hands vLLM another victim than LRU's), on one group and on a hybrid model.
+A KV-aware router (vllm-router's ``kv_aware``, Dynamo's, llm-d's) builds its view of each
+replica from these events: the plugin reorders evictions, and vLLM's own eviction path still
+reports each one."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from hypothesis import settings
+from hypothesis.stateful import invariant
+from test_adapter_churn import ChurnMachine
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request
+from vllm_parts import BLOCK, generate, make_request, run_prefill, state_of, tokens
+
+from vllm_affinity.core.compaction import side_branch
+from vllm_affinity.engine import PARENT_KEY, RETRY_KEY, REWRITE_KEY, apply_engine_patches
+
+apply_engine_patches()
+
+
+def manager_with_events(num_blocks: int, specs: list[Any]) -> KVCacheManager:
+    """vLLM's ``KVCacheManager`` with KV events on (``--kv-events-config``)."""
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=4096,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
+
+
+def full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def sliding() -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
+    )
+
+
+class Subscriber:
+    """What a router holds: per group, the block hashes the events say are cached."""
+
+    def __init__(self) -> None:
+        self.cached: dict[int, set[Any]] = defaultdict(set)
+
+    def replay(self, manager: KVCacheManager) -> None:
+        for event in manager.block_pool.take_events():
+            if isinstance(event, BlockStored):
+                self.cached[event.group_idx or 0].update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.cached[event.group_idx or 0].difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.cached.clear()
+
+    def agrees_with(self, manager: KVCacheManager) -> None:
+        self.replay(manager)
+        engine: dict[int, set[Any]] = defaultdict(set)
+        for key in manager.block_pool.cached_block_hash_to_block._cache:
+            engine[get_group_id(key)].add(maybe_convert_block_hash(get_block_hash(key)))
+        groups = set(engine) | set(self.cached)
+        for group in groups:
+            assert self.cached[group] == engine[group], (
+                f"group {group}: the events say {len(self.cached[group])} blocks are cached, "
+                f"the engine holds {len(engine[group])}; only in the events: "
+                f"{len(self.cached[group] - engine[group])}, only in the engine: "
+                f"{len(engine[group] - self.cached[group])}"
+            )
+
+
+class EventsChurn(ChurnMachine):
+    """The churn machine (requests, decoding, preemption, releases, idles, the picker's swaps
+    under pool pressure) with a subscriber checked after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = manager_with_events(24, [full()])
+        self.state = state_of(self.manager)
+        self.state.sessions._max_sessions = 3
+        self.subscriber = Subscriber()
+
+    @invariant()
+    def events_agree(self) -> None:
+        self.subscriber.agrees_with(self.manager)
+
+
+TestEventsChurn = EventsChurn.TestCase
+TestEventsChurn.settings = settings(
+    max_examples=int(os.environ.get("JIUWEN_CHURN_EXAMPLES", "150")) // 2,
+    stateful_step_count=40,
+    deadline=None,
+)
+
+
+def call(
+    manager: KVCacheManager, prompt: list[int], session: str, key: str | None = None, **extra: Any
+) -> Request:
+    """One finished call of ``session`` through the engine's request hook."""
+    params = SamplingParams(max_tokens=4, extra_args={**({key: key} if key else {}), **extra})
+    request = make_request(prompt, session=session, sampling_params=params)
+    state_of(manager).on_new_request(request, release_on_divergence=False)
+    run_prefill(manager, request)
+    generate(manager, request, 4)
+    manager.free(request)
+    return request
+
+
+def test_events_agree_on_a_hybrid_model_through_every_plugin_path() -> None:
+    """gpt-oss's shape (sliding window beside full attention), a pool too small for the
+    traffic: sessions with side branches, a retry and a rewrite (its side branch set apart,
+    then settled), idles, a subagent's end, and enough new prompts that every segment is
+    reused; the picker on. The subscriber agrees with the engine after every call."""
+    manager = manager_with_events(48, [sliding(), full()])
+    state = state_of(manager)
+    state.idle_guard = None  # every idle acted on
+    state.predict_returns(True)  # the picker too (off by default on a hybrid model)
+    subscriber = Subscriber()
+    for round_ in range(4):
+        base = 10_000 * (round_ + 1)
+        call(manager, tokens(base, 5), "cc")
+        call(manager, [*tokens(base + 5000, 1), *tokens(base + 100, 2)], side_branch("cc"))
+        call(manager, [*tokens(base, 5), *tokens(base + 200, 1)], "cc")
+        call(manager, [*tokens(base, 5), *tokens(base + 300, 1)], "cc", RETRY_KEY)
+        subscriber.agrees_with(manager)
+        call(manager, [*tokens(base, 1), *tokens(base + 400, 2)], "cc", REWRITE_KEY)
+        call(manager, [*tokens(base + 5000, 1), *tokens(base + 500, 1)], side_branch("cc"))
+        subscriber.agrees_with(manager)
+        call(manager, tokens(base + 600, 3), f"child{round_}", **{PARENT_KEY: "cc"})
+        state.idle_session(f"child{round_}")  # its task ended: released past its siblings'
+        state.idle_session("cc")
+        subscriber.agrees_with(manager)
+        for other in range(3):  # pressure: new sessions reuse released, idle, normal blocks
+            call(manager, tokens(base + 700 + 50 * other, 4), f"s{round_}{other}")
+        subscriber.agrees_with(manager)
+    stats = state.stats()
+    assert stats.block_released_compaction > 0 and stats.blocks_idled > 0
+    assert stats.block_released_child_end > 0
+    assert manager.block_pool.get_usage() == 0.0
