@@ -78,13 +78,19 @@ class Subscriber:
             elif isinstance(event, AllBlocksCleared):
                 self.cached.clear()
 
-    def agrees_with(self, manager: KVCacheManager) -> None:
+    def agrees_with(self, manager: KVCacheManager, exact: bool = True) -> None:
+        """The events' view is the engine's (``exact``), or at least never holds a block the
+        engine does not (a router never counts on a cache that is gone)."""
         self.replay(manager)
         engine: dict[int, set[Any]] = defaultdict(set)
         for key in manager.block_pool.cached_block_hash_to_block._cache:
             engine[get_group_id(key)].add(maybe_convert_block_hash(get_block_hash(key)))
         groups = set(engine) | set(self.cached)
         for group in groups:
+            phantom = self.cached[group] - engine[group]
+            assert not phantom, f"group {group}: {len(phantom)} blocks the events say are cached"
+            if not exact:
+                continue
             assert self.cached[group] == engine[group], (
                 f"group {group}: the events say {len(self.cached[group])} blocks are cached, "
                 f"the engine holds {len(engine[group])}; only in the events: "
@@ -95,7 +101,12 @@ class Subscriber:
 
 class EventsChurn(ChurnMachine):
     """The churn machine (requests, decoding, preemption, releases, idles, the picker's swaps
-    under pool pressure) with a subscriber checked after every step."""
+    under pool pressure) with a subscriber checked after every step: never a block the engine
+    does not hold. Not exact here: vLLM does not deduplicate blocks (``block_pool.py``, NOTE
+    #1), and two requests that decode the same tokens after one prefix, or a resumed request
+    that recomputes past a block evicted before the next one, cache one hash twice; the
+    ``BlockRemoved`` of one copy hides the other from the events (an under-count: a router
+    misses a hit, never counts on a gone one)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,7 +117,7 @@ class EventsChurn(ChurnMachine):
 
     @invariant()
     def events_agree(self) -> None:
-        self.subscriber.agrees_with(self.manager)
+        self.subscriber.agrees_with(self.manager, exact=False)
 
 
 TestEventsChurn = EventsChurn.TestCase
