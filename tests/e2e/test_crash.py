@@ -119,6 +119,9 @@ def test_engine_killed_mid_run(crash_server: VLLMServer) -> None:
         restarted_at = time.monotonic()
         served = len(agent.completed)
         wait_until(lambda: len(agent.completed) >= served + 6, 60, "the agent's calls to resume")
+        wait_until(  # the new hook knows the server again (its probe runs in the background)
+            lambda: hook.stats().get("releases.ok", 0) >= 1, 60, "the hook's releases to resume"
+        )
         with jiuwen_hooks.session("crash-main"):  # its release reaches an engine that never saw it
             client.chat.completions.create(model=SERVED_NAME, messages=main[:2], max_tokens=1)
         hook.flush()  # its POST runs in the background: on a busy machine it may not have yet
@@ -134,11 +137,15 @@ def test_engine_killed_mid_run(crash_server: VLLMServer) -> None:
     assert not any("jiuwen" in repr(e) for e in agent.errors)
     assert any(t > restarted_at for t in agent.completed)  # calls resume after the restart
     assert not any(killed_at + 0.5 < t < restarting_at for t in agent.completed)
-    wait_until(  # sessions from before: 0 blocks (its POST may still be on its way)
-        lambda: engine_stats(server).get("releases_unknown_session", 0) >= 1,
-        30,
-        "the release of a session from before the restart to reach the new engine",
-    )
+    try:  # sessions from before: 0 blocks
+        wait_until(
+            lambda: engine_stats(server).get("releases_unknown_session", 0) >= 1,
+            30,
+            "the release of a session from before the restart to reach the new engine",
+        )
+    except TimeoutError as exc:
+        releases = {k: v for k, v in engine_stats(server).items() if k.startswith("releases")}
+        raise AssertionError(f"{exc}; the hook: {stats}; the engine: {releases}") from None
     assert stats.get("releases.ok", 0) >= 1  # releases resumed
     failed = failed_stats.get("releases.connect_error", 0) + failed_stats.get(
         "releases.unreachable", 0
