@@ -24,21 +24,22 @@ from typing import Any
 
 import httpx
 
+from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER, SESSION_HEADER
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_text, free_port
 
 #: The configurations measured: a name, vllm-router's flags (the KV event sources added) and
 #: the header that names the session. The first is the control: a session named by
 #: ``X-Session-ID``, which vllm-router's consistent hash reads.
 CONFIGS: dict[str, tuple[list[str], str]] = {
-    "consistent_hash, X-Session-ID": (["--policy", "consistent_hash"], "x-session-id"),
-    "consistent_hash": (["--policy", "consistent_hash"], "x-claude-code-session-id"),
+    "consistent_hash, X-Session-ID": (["--policy", "consistent_hash"], SESSION_HEADER),
+    "consistent_hash": (["--policy", "consistent_hash"], CLAUDE_CODE_SESSION_HEADER),
     "kv_aware+affinity": (
         ["--policy", "kv_aware", "--kv-aware-session-affinity-ttl-secs", "600"],
-        "x-claude-code-session-id",
+        CLAUDE_CODE_SESSION_HEADER,
     ),
     "program_scheduling": (
         ["--policy", "consistent_hash", "--enable-program-scheduling"],
-        "x-claude-code-session-id",
+        CLAUDE_CODE_SESSION_HEADER,
     ),
 }
 
