@@ -17,6 +17,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,7 @@ from typing import Any
 import httpx
 
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER, SESSION_HEADER
-from vllm_affinity.testing import (
-    BLOCK_SIZE,
-    SERVED_NAME,
-    VLLMServer,
-    filler_text,
-    free_port,
-    wait_until,
-)
+from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_text, free_port
 
 #: The configurations measured: a name, vllm-router's flags (the KV event sources added) and
 #: the header that names the session. The first is the control: a session named by
@@ -65,13 +59,6 @@ def replicas(count: int) -> list[tuple[VLLMServer, int]]:
     return out
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def finished(server: VLLMServer) -> float:
     return sum(
         server.metric("vllm:request_success_total", finished_reason=reason)
@@ -94,7 +81,13 @@ def place(router_bin: str, flags: list[str], header: str, fleet: list[tuple[VLLM
     system = {"role": "system", "content": filler_text(random.Random(1), 200)}
     placements: list[list[int]] = []
     try:
-        wait_until(lambda: _healthy(f"http://127.0.0.1:{port}/health"), 60, f"{log}: healthy")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
         for n in range(sessions):
             session, served = str(uuid.uuid4()), []
             text = f"task {n} " + filler_text(random.Random(n), 30)

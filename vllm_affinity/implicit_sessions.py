@@ -14,9 +14,7 @@ window and one to record its answer; with data parallelism the engine is chosen 
 principal: a conversation's side requests have other instructions than its main thread).
 
 Costs, only for requests that name no session: the window's assistant and user messages read
-and digested once; for a window that carries no known answer, the search of its first 64k
-characters of user text for the principal's last answers' stretches; for a stream, one JSON
-parse per chunk.
+and digested once; for a stream, one JSON parse per chunk.
 """
 
 from __future__ import annotations

@@ -251,15 +251,13 @@ class PoolAffinity:
 
     def _carried_conversation(self, branch: str, session: str) -> bool:
         """Whether ``branch``'s latest request started with at least half of ``session``'s
-        blocks, in the first group where both hold their first block: the conversation, not a
-        prompt of its own whose first block a template may render alike (tools first)."""
+        blocks (in the first group that holds both): the conversation, not a prompt of its own
+        whose first block a template may render alike (tools first)."""
         for table in self.tables:
             side = table.latest.get(branch)
             main = table.latest.get(session)
-            if side is None or main is None or not side.block_ids or not main.block_ids:
+            if side is None or main is None or not main.block_ids:
                 continue
-            if HOLE in (side.block_ids[0], main.block_ids[0]):
-                continue  # a sliding window's leading blocks: the next group decides
             shared = 0
             for side_id, main_id in zip(side.block_ids, main.block_ids, strict=False):
                 if side_id != main_id or side_id == HOLE:

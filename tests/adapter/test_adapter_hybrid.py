@@ -331,29 +331,6 @@ def test_a_side_branch_is_settled_by_its_next_request_in_every_group() -> None:
     assert not state.check(idle=True)
 
 
-def test_a_side_branch_that_carried_the_conversation_dies_with_it_in_every_group() -> None:
-    """gpt-oss's shape: a side request that starts with the main thread's window (Qwen Code's
-    suggestion) is released with the old window at the rewrite, also where the first group is
-    a sliding window whose leading blocks the records hold as holes."""
-    from vllm_affinity.core.compaction import settling_branch, side_branch
-    from vllm_affinity.engine import REWRITE_KEY
-
-    manager = make_hybrid_manager(96, [sliding(), full()])
-    finished_turn(manager, tokens(0, 8), "cc")
-    state = state_of(manager)
-    finished_turn(manager, [*tokens(0, 8), *tokens(6000, 2)], side_branch("cc"))
-    rewrite = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
-    compacted = make_request(
-        [*tokens(0, 1), *tokens(900, 2)], session="cc", sampling_params=rewrite
-    )
-    state.on_new_request(compacted, release_on_divergence=False)
-    assert side_branch("cc") not in state.sessions.latest
-    assert settling_branch("cc") not in state.sessions.latest
-    full_released = state.group_stats()[1].blocks_released
-    assert full_released >= 9, full_released  # the old window past its first block, and the side's
-    assert not state.check(idle=True)
-
-
 def scheduled(manager: Any, request: Any) -> int:
     """What the scheduler does with a new request's prefix lookup: the hit, and the junction
     it pins on the request (the sliding-window manager keeps the state there). Then the
