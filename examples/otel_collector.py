@@ -18,6 +18,11 @@ from typing import Any
 from vllm_affinity.testing import free_port
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @dataclass(frozen=True)
 class CollectedSpan:
     trace_id: str
@@ -77,14 +82,20 @@ class OtlpCollector:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.http_port)) == 0:
-                    return self
             if self._process.poll() is not None:
+                break
+            if _listening(self.grpc_port) and _listening(self.http_port):
+                time.sleep(0.2)  # a listener of another process answers too: rotel must live on
+                if self._process.poll() is None:
+                    return self
                 break
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"the collector did not start; see {self.log_path}")
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -3,6 +3,7 @@ server and the vanilla one): all of them start together when the first test need
 
 from __future__ import annotations
 
+import atexit
 import functools
 from collections.abc import Iterator
 
@@ -15,18 +16,25 @@ from vllm_affinity.testing import VLLMServer
 
 @functools.cache
 def _the_collector() -> OtlpCollector:
-    """The session's collector: its ports are fixed when the server that exports to it is
-    built; the process starts when a test asks for ``otlp_collector`` (the server's exporter
-    drops what it sends before that)."""
-    return OtlpCollector()
+    """The session's collector, started as soon as its ports are chosen (when the server that
+    exports to it is built): a port left free until a later test asked for the collector was
+    once taken by another process in between, and the client's spans went to it and timed out."""
+    collector = OtlpCollector()
+    if collector.binary() is not None:  # else ``otlp_collector`` says what to install
+        collector.start()
+        atexit.register(collector.stop)
+    return collector
 
 
 @pytest.fixture(scope="session")
 def otlp_collector() -> Iterator[OtlpCollector]:
     """A real OpenTelemetry collector process (rotel) that ``second_plugin_server`` exports
     its spans to."""
-    with _the_collector() as collector:
-        yield collector
+    collector = _the_collector()
+    if not collector.running:
+        collector.start()
+    yield collector
+    collector.stop()
 
 
 def _second_plugin_server() -> VLLMServer:
