@@ -68,6 +68,17 @@ $(AIDER): $(UV)
 	$(UV) pip install --quiet --python $(AIDER_VENV)/bin/python 'aider-chat==$(AIDER_VERSION)'
 	@touch $@
 
+# vLLM's own router (PyPI, a Rust binary), for the fleet tests and benchmark behind it.
+ROUTER_VERSION := 0.1.17
+ROUTER_VENV    := .venv-router
+ROUTER         := $(ROUTER_VENV)/.installed-$(ROUTER_VERSION)
+
+$(ROUTER): $(UV)
+	@test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	@echo "Installing vllm-router $(ROUTER_VERSION) in $(ROUTER_VENV) ..."
+	$(UV) pip install --quiet --python $(ROUTER_VENV)/bin/python 'vllm-router==$(ROUTER_VERSION)'
+	@touch $@
+
 $(OJ16): $(UV)
 	@test -x $(OJ16_VENV)/bin/python || $(PYTHON) -m venv $(OJ16_VENV)
 	@echo "Installing openjiuwen 0.1.16 in $(OJ16_VENV) ..."
@@ -164,7 +175,7 @@ demo: $(MODEL) $(if $(filter llama,$(ARCH)),,.cache/tiny-$(ARCH)/jiuwen-recipe.j
 test:
 	@# the virtualenvs are independent: build them side by side (the suite itself runs alone)
 	$(MAKE) --jobs=4 --output-sync=target $(MODEL) $(LONG_MODEL) $(HYBRID_MODELS) $(AGENTS) \
-		$(LI) $(OJ) $(OJ16) $(AIDER) $(VLLM_NEXT_DIR)/.extracted debian-tools
+		$(LI) $(OJ) $(OJ16) $(AIDER) $(ROUTER) $(VLLM_NEXT_DIR)/.extracted debian-tools
 	$(MAKE) lint
 	$(PY) -m pytest --durations=25
 	$(MAKE) test-vllm-next
@@ -177,7 +188,7 @@ test-vllm-next: $(VLLM_NEXT_DIR)/.extracted
 
 ## test-long: the minutes-long runs make test skips (the 150 s soak; two replicas behind nginx,
 ## with the hook and with Claude Code and the Codex CLI)
-test-long: $(MODEL) $(AGENTS) debian-tools
+test-long: $(MODEL) $(AGENTS) $(ROUTER) debian-tools
 	JIUWEN_LONG=1 $(PY) -m pytest -m long
 
 ## test-bench: the benchmark scripts' own pipeline runs (servers of their own; ~5 minutes)

@@ -37,6 +37,18 @@ CONFIGS: dict[str, tuple[list[str], str]] = {
         ["--policy", "kv_aware", "--kv-aware-session-affinity-ttl-secs", "600"],
         CLAUDE_CODE_SESSION_HEADER,
     ),
+    "sticky_least_loaded": (["--policy", "sticky_least_loaded"], CLAUDE_CODE_SESSION_HEADER),
+    "kv_aware+affinity, temperature 1": (
+        [
+            "--policy",
+            "kv_aware",
+            "--kv-aware-session-affinity-ttl-secs",
+            "600",
+            "--router-temperature",
+            "1",
+        ],
+        CLAUDE_CODE_SESSION_HEADER,
+    ),
     "program_scheduling": (
         ["--policy", "consistent_hash", "--enable-program-scheduling"],
         CLAUDE_CODE_SESSION_HEADER,

@@ -293,12 +293,38 @@ def _make_chain_utilities(max_sessions: int) -> tuple[Any, Any]:
     return affinity_chain_of, affinity_record_answer
 
 
-def affinity_check(self: Any) -> dict[str, Any]:
-    """EngineCore utility: the invariants, checked between scheduler steps."""
+def affinity_check(self: Any, blocks: bool = False) -> dict[str, Any]:
+    """EngineCore utility: the invariants, checked between scheduler steps; with ``blocks``,
+    also every cached block's hash per group, as vLLM's KV events spell it (what a KV-aware
+    router's view of this engine must equal)."""
     state = _engine_state(self)
     scheduler = self.scheduler
     idle = not scheduler.has_requests()
-    return {"idle": idle, "problems": state.check(idle), **state.stats().model_dump()}
+    answer = {"idle": idle, "problems": state.check(idle), **state.stats().model_dump()}
+    if blocks:
+        answer["cached_blocks"] = cached_block_hashes(state.pool)
+    return answer
+
+
+def event_hash_text(block_hash: Any) -> str:
+    """A block hash as vLLM's KV events carry it (bytes, or an int with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), as text for JSON."""
+    return block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
+
+
+def cached_block_hashes(pool: Any) -> dict[str, list[str]]:
+    """Per KV-cache group, the hashes of the blocks in vLLM's prefix cache."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        get_group_id,
+        maybe_convert_block_hash,
+    )
+
+    out: dict[str, list[str]] = {}
+    for key in pool.cached_block_hash_to_block._cache:
+        text = event_hash_text(maybe_convert_block_hash(get_block_hash(key)))
+        out.setdefault(str(get_group_id(key)), []).append(text)
+    return {group: sorted(hashes) for group, hashes in out.items()}
 
 
 def affinity_stats(self: Any) -> dict[str, Any]:

@@ -54,11 +54,12 @@ async def affinity_stats(service: Authorised) -> JSONResponse:
 
 
 @router.get("/affinity/check")
-async def affinity_check(service: Authorised) -> JSONResponse:
+async def affinity_check(service: Authorised, blocks: bool = False) -> JSONResponse:
     """The plugin's invariants in every engine (free queue, pool, session table): for soak
-    tests and operators. O(blocks + bindings) in the engine core: not for tight loops."""
+    tests and operators. O(blocks + bindings) in the engine core: not for tight loops.
+    ``?blocks=true`` adds each group's cached block hashes, to check a KV-event consumer."""
     try:
-        engines = await service.call_engines("affinity_check")
+        engines = await service.call_engines("affinity_check", blocks)
     except ReleaseError as exc:
         return error_response(exc.status, exc.message, exc.kind)
     ok = all(not e["problems"] for e in engines)
