@@ -135,9 +135,8 @@ def event_replica(num_blocks: int = 256, model: str | None = None, **kwargs: Any
     kwargs.setdefault("eager", True)
     kwargs.setdefault("worker_in_engine", True)
     server = VLLMServer(
-        plugin=kwargs.pop("plugin", True), num_blocks=num_blocks,
-        extra_args=("--kv-events-config", json.dumps(config), *extra),
-        **({"model": model} if model else {}), **kwargs,
+        model=model, plugin=kwargs.pop("plugin", True), num_blocks=num_blocks,
+        extra_args=("--kv-events-config", json.dumps(config), *extra), **kwargs,
     )  # fmt: skip
     server.kv_events_port = port  # type: ignore[attr-defined]
     return server
