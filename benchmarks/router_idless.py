@@ -149,7 +149,7 @@ def run_policy(
         prompt = sum(r["prompt_tokens"] for r in per_replica)
         hits = sum(r["hit_tokens"] for r in per_replica)
         stays = sum(a == b for t in talks for a, b in zip(t.served, t.served[1:], strict=False))
-        moves = sum(len(t.served) - 1 for t in talks)
+        moves = sum(max(len(t.served) - 1, 0) for t in talks)
         released = sum(r.engine_stats()["block_released_compaction"] for r in replicas)
         return {
             "policy": policy, "flags": POLICIES[policy], "prompt_tokens": prompt,

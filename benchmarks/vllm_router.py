@@ -65,8 +65,10 @@ class KvEventView:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> KvEventView:
+        import vllm.distributed.kv_events  # noqa: F401 (seconds of imports, not on the thread)
+
         self._thread.start()
-        if not self._ready.wait(10):
+        if not self._ready.wait(30):
             raise RuntimeError(f"could not subscribe to {self.endpoint}")
         time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the publisher
         return self
@@ -83,7 +85,7 @@ class KvEventView:
     def _run(self) -> None:
         import msgspec
         import zmq
-        from vllm.distributed.kv_events import (
+        from vllm.distributed.kv_events import (  # imported by start() already
             AllBlocksCleared,
             BlockRemoved,
             BlockStored,

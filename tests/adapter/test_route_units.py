@@ -235,3 +235,24 @@ def test_qwen_code_request_metadata_names_the_session_and_the_request_kind() -> 
         assert not is_agent_request(plain, {})
     side = request({"sessionId": "s-1", "promptId": "compress-17"})
     assert agent_window_of(side, {}).kind == "side"
+
+
+def test_a_responses_window_digests_the_same_every_turn() -> None:
+    """vLLM's Responses request gives an assistant message sent without an id a random one
+    (and a status) each time it parses it: the same conversation, one turn longer, must still
+    be the last window plus new items (an ``append``), not a rewrite."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    from vllm_affinity.agent_windows import window_of
+    from vllm_affinity.core.compaction import CompactionRule
+
+    def item(role: str, text: str) -> dict:
+        part = "input_text" if role == "user" else "output_text"
+        return {"type": "message", "role": role, "content": [{"type": part, "text": text}]}
+
+    rule, items, verdicts = CompactionRule(16), [item("user", "u0")], []
+    for turn in range(3):
+        request = ResponsesRequest(model="m", instructions="sys", input=list(items), store=False)
+        verdicts.append(rule.classify("codex", window_of(request)))
+        items += [item("assistant", f"a{turn}"), item("user", f"u{turn + 1}")]
+    assert verdicts == ["first", "append", "append"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,10 @@ from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
 pytestmark = pytest.mark.e2e
 
 BINARY = router_binary()
+#: A dead replica found in seconds, not vllm-router's default three minutes (three failed checks a
+#: minute apart): until then a session pinned to it fails on ``/v1/messages`` and
+#: ``/v1/responses`` (Chat Completions the router retries on another worker).
+HEALTH_CHECKS = ["--health-check-interval-secs", "2", "--health-failure-threshold", "2"]
 #: Each replica's KV events as a subscriber replays them (``replicas`` fills it).
 VIEWS: list[KvEventView] = []
 
@@ -47,7 +52,8 @@ class ShapedSession:
     """A session shaped as an agent sends it: its own headers, its API, its system prompt
     (different agents' prompts differ). ``opencode``: Chat Completions with ``X-Session-Id``
     and ``x-session-affinity``; ``python``: what the hook sends (``X-Session-ID``); ``codex``:
-    the Responses API with ``session-id`` and ``thread-id`` (Codex CLI 0.169)."""
+    the Responses API with ``session-id`` and ``thread-id`` (Codex CLI 0.169); ``claude``: the
+    Messages API with ``X-Claude-Code-Session-Id`` (Claude Code)."""
 
     agent: str
     name: str
@@ -61,6 +67,8 @@ class ShapedSession:
             return {GENERIC_SESSION_HEADERS[0]: self.name, CODEX_THREAD_HEADER: self.name}
         if self.agent == "opencode":
             return {SESSION_HEADER: self.name, GENERIC_SESSION_HEADERS[1]: self.name}
+        if self.agent == "claude":
+            return {CLAUDE_CODE_SESSION_HEADER: self.name}
         return {SESSION_HEADER: self.name}
 
     def body(self, max_tokens: int) -> tuple[str, dict[str, Any]]:
@@ -68,6 +76,11 @@ class ShapedSession:
             return "/v1/responses", {
                 "model": SERVED_NAME, "instructions": self.system, "input": self.items,
                 "max_output_tokens": max_tokens, "store": False, "prompt_cache_key": self.name,
+            }  # fmt: skip
+        if self.agent == "claude":
+            return "/v1/messages", {
+                "model": SERVED_NAME, "system": self.system, "messages": self.items,
+                "max_tokens": max_tokens,
             }  # fmt: skip
         messages = [{"role": "system", "content": self.system}, *self.items]
         return "/v1/chat/completions", {
@@ -90,6 +103,8 @@ class ShapedSession:
                 for item in answer["output"] if item.get("type") == "message"
                 for part in item["content"]
             )  # fmt: skip
+        elif self.agent == "claude":
+            text = "".join(b.get("text", "") for b in answer["content"] if b["type"] == "text")
         else:
             text = answer["choices"][0]["message"]["content"] or ""
         self.items.append(self.item("assistant", text or "ok"))
@@ -212,23 +227,20 @@ def test_what_the_router_does_not_pass(replicas: list[VLLMServer]) -> None:
 def test_agent_sessions_stay_on_their_replica_and_releases_happen_there(
     replicas: list[VLLMServer],
 ) -> None:
-    """Six sessions (three opencode-shaped, three named as the hook names them; each agent's
-    own system prompt) behind ``kv_aware`` with session affinity: their first calls at once,
-    then three turns, a compaction and a turn each, one call at a time (each call's replica told
-    apart). Every session stays on one replica and the two share them; each replica releases
-    exactly the compactions of the sessions it holds; the KV events each replica published
-    replay into exactly its prefix cache. Then one replica is killed: every call still succeeds,
-    only its sessions move, and the survivor's sessions still hit their prefix there."""
+    """Eight sessions, two of each agent's shape (each agent its own system prompt), behind
+    ``kv_aware`` with session affinity: their first calls at once, then three turns, a
+    compaction and a turn each, one call at a time (each call's replica told apart). Every
+    session stays on one replica and the two share them; each replica releases exactly the
+    compactions of the sessions it holds and that reach it named (not Claude Code's: the
+    router drops its header, above); the KV events each replica published replay into exactly
+    its prefix cache. Then one replica is killed: every call still succeeds, only its sessions
+    move, and the survivor's sessions still hit their prefix there."""
     assert BINARY is not None
-    systems = {agent: f"You are {agent}. " + filler(seed, 260)
-               for seed, agent in enumerate(("opencode", "python"))}  # fmt: skip
-    sessions = [
-        ShapedSession(agent, f"{agent}-{i}", systems[agent])
-        for i in range(3)
-        for agent in ("opencode", "python")
-    ]
+    agents = ("opencode", "python", "codex", "claude")
+    systems = {agent: f"You are {agent}. " + filler(seed, 260) for seed, agent in enumerate(agents)}
+    sessions = [ShapedSession(a, f"{a}-{i}", systems[a]) for i in range(2) for a in agents]
     before = [r.engine_stats()["releases_compaction"] for r in replicas]
-    with Router(BINARY, replicas, POLICIES["kv_aware+affinity"]) as router:
+    with Router(BINARY, replicas, [*POLICIES["kv_aware+affinity"], *HEALTH_CHECKS]) as router:
         start_together(router, sessions)
         for turn in range(3):
             for session in sessions:
@@ -242,20 +254,37 @@ def test_agent_sessions_stay_on_their_replica_and_releases_happen_there(
         assert all(len(found) == 1 for found in placement.values()), placement
         held = [sum(1 for found in placement.values() if found == {i}) for i in range(2)]
         assert all(held), placement  # spread over both replicas
+        named = [
+            sum(1 for s in sessions if s.agent != "claude" and set(s.served) == {i})
+            for i in range(2)
+        ]
         after = [r.engine_stats()["releases_compaction"] for r in replicas]
         # each replica told the compactions of its own sessions, and of no other
-        assert [a - b for a, b in zip(after, before, strict=True)] == held, (held, placement)
+        assert [a - b for a, b in zip(after, before, strict=True)] == named, (named, placement)
         for replica, view in zip(replicas, VIEWS, strict=True):
             assert views_agree(replica, view) is None, views_agree(replica, view, timeout=0)
 
         survivor, victim = replicas[0], replicas[1]
         victim.kill()
+        failed: dict[str, int] = {}
         for session in sessions:
             session.say("after the crash")
             hits = survivor.metric("vllm:prefix_cache_hits_total")
-            call(router, [survivor], session)
+            for attempt in range(30):  # the agents retry a 5xx (the SDKs, Codex, Claude Code)
+                try:
+                    call(router, [survivor], session)
+                    break
+                except httpx.HTTPStatusError as error:
+                    assert error.response.status_code == 502 and attempt < 29, error
+                    failed[session.name] = attempt + 1
+                    time.sleep(1)
             if placement[session.name] == {0}:  # its cache lives on: the window is hit
                 assert survivor.metric("vllm:prefix_cache_hits_total") > hits, session.name
+        # only calls pinned to the dead replica failed, and only on the APIs the router does not
+        # retry on another worker (Chat Completions it does)
+        assert all(placement[name] == {1} for name in failed), failed
+        assert all(name.split("-")[0] in ("codex", "claude") for name in failed), failed
+        print(f"calls refused after the kill (502), by session: {failed}")
 
 
 def test_kv_events_replay_into_a_hybrid_replicas_cache() -> None:

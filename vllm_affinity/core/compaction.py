@@ -259,6 +259,10 @@ class DigestMemo:
 def _canonical(value: Any) -> Any:
     if hasattr(value, "model_dump"):  # a pydantic item (vLLM's Responses input)
         value = value.model_dump(exclude_none=True)
+        # vLLM gives an output message the client sent without an id a random one (and a
+        # status): neither is rendered, and the same message must digest the same every turn
+        value.pop("id", None)
+        value.pop("status", None)
     if isinstance(value, Mapping):
         return {
             k: _canonical(v) for k, v in value.items() if k not in _IGNORED_KEYS and v is not None
