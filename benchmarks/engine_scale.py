@@ -12,7 +12,7 @@ frees), the ratio, the prompt tokens each side hit, and (``--memory``) what the 
 structures hold.
 
     python -m benchmarks.engine_scale [--cells 20000:16384:30,200000:131072:40,400000:131072:40]
-        [--hybrid] [--rounds 4] [--memory]
+        [--hybrid] [--rounds 8] [--memory] [--profile]
 
 A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
 """
@@ -20,7 +20,9 @@ A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import statistics
 import sys
 import time
@@ -179,7 +181,9 @@ class Side:
         self.requests += 1
 
 
-def run_cell(cell: Cell, rounds: int, vanilla_kv: Any, plugin_kv: Any) -> dict[str, Any]:
+def run_cell(
+    cell: Cell, rounds: int, vanilla_kv: Any, plugin_kv: Any, profile: bool = False
+) -> dict[str, Any]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -196,6 +200,9 @@ def run_cell(cell: Cell, rounds: int, vanilla_kv: Any, plugin_kv: Any) -> dict[s
     try:
         for round_ in range(rounds):
             for side in sides if round_ % 2 == 0 else reversed(sides):
+                profiler = cProfile.Profile() if profile and side.state is not None else None
+                if profiler is not None:
+                    profiler.enable()
                 mark = len(side.seconds)
                 for session in range(cell.sessions):
                     window, _ = traffic[side.name].window(session)
@@ -205,6 +212,11 @@ def run_cell(cell: Cell, rounds: int, vanilla_kv: Any, plugin_kv: Any) -> dict[s
                         and traffic[side.name].turns[session] % traffic[side.name].idle_every == 0
                     ):
                         side.state.idle_session(f"s{session}")
+                if profiler is not None:
+                    profiler.disable()
+                    pstats.Stats(profiler).sort_stats("tottime").print_stats(
+                        "vllm_affinity|queue|block_pool", 30
+                    )
                 per_round[side.name].append(statistics.mean(side.seconds[mark:]))
                 gc.collect()
             print(
@@ -214,11 +226,14 @@ def run_cell(cell: Cell, rounds: int, vanilla_kv: Any, plugin_kv: Any) -> dict[s
             )
     finally:
         gc.enable()
-    vanilla, plugin = (statistics.median(per_round[s.name][1:] or per_round[s.name]) for s in sides)
+    steady = slice(2, None) if rounds > 3 else slice(None)  # the first rounds start sessions
+    vanilla, plugin = (statistics.median(per_round[s.name][steady]) for s in sides)
+    ratios = [p / v for v, p in zip(per_round["vanilla"], per_round["plugin"], strict=True)]
     return {
         "cell": cell.name, "pool_blocks": cell.pool, "prompt_tokens": cell.prompt,
         "sessions": cell.sessions, "hybrid": cell.hybrid, "rounds": rounds,
-        "vanilla_ms": vanilla * 1e3, "plugin_ms": plugin * 1e3, "ratio": plugin / vanilla,
+        "vanilla_ms": vanilla * 1e3, "plugin_ms": plugin * 1e3,
+        "ratio": statistics.median(ratios[steady]), "round_ratios": ratios,
         "hit_tokens": {s.name: s.hit for s in sides},
         "blocks_predicted": state.stats().blocks_predicted,
     }  # fmt: skip
@@ -265,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default="20000:16384:30,200000:131072:40,400000:131072:40")
     parser.add_argument("--hybrid", action="store_true", help="also every cell on a hybrid spec")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="print where the plugin side's time goes (cProfile, 25 costliest functions)",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     cells = parse_cells(args.cells, False)
@@ -281,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cell.name}:", flush=True)
         with vanilla_pools():
             vanilla_kv = manager(cell)
-        row = run_cell(cell, args.rounds, vanilla_kv, manager(cell))
+        row = run_cell(cell, args.rounds, vanilla_kv, manager(cell), args.profile)
         del vanilla_kv
         gc.collect()
         if args.memory:

@@ -155,9 +155,11 @@ class PoolAffinity:
         for position, (group, table) in enumerate(zip(self.groups, self.tables, strict=True)):
             group_blocks = blocks[group.index]
             start = already[position] if already else 0
-            for block in group_blocks[start:]:  # a live user again: not RELEASED when freed
-                if not block.is_null:
-                    self.queue.cancel_pending(block.block_id)
+            grown = [HOLE if b.is_null else b.block_id for b in group_blocks[start:]]
+            self.queue.cancel_pending_many(grown)  # live users again: not RELEASED when freed
+            # a running request that grew (a prefill chunk, a decoded block): its new blocks only
+            if already and table.grow(session, request_id, start, grown, prompt):
+                continue
             ids = [HOLE if b.is_null else b.block_id for b in group_blocks]
             table.record(session, ids, prompt, request_id)
         self._bound[request_id] = lengths

@@ -149,7 +149,36 @@ class SessionMachine(RuleBasedStateMachine):
         request, pairs, _ = self.model[session]
         current = [b for b, _ in pairs]
         extra = data.draw(st.lists(st.integers(0, N_BLOCKS - 1), max_size=3, unique=True))
-        self._record(session, request, current + [b for b in extra if b not in current])
+        grown = [b for b in extra if b not in current]
+        # the engine's path for a running request that grew: the new blocks alone
+        if data.draw(st.booleans()) and self.table.grow(
+            session, request, len(current), grown, (len(current) + len(grown)) * 32
+        ):
+            self.running.add(session)
+            for b in grown:
+                if self.first_holder.setdefault((b, self.generation[b]), session) != session:
+                    self.shared.add((b, self.generation[b]))
+            self.model[session] = (request, pairs + [(b, self.generation[b]) for b in grown],
+                                   len(current) + len(grown))  # fmt: skip
+            self.order.remove(session)
+            self.order.append(session)
+            return
+        self._record(session, request, current + grown)
+
+    @rule(data=st.data())
+    def next_request_continues(self, data: st.DataObject) -> None:
+        """A session's next request starts with some of its last one's blocks (an append, or a
+        cut: a compaction), then blocks of its own."""
+        if not self.model:
+            return
+        session = data.draw(st.sampled_from(sorted(self.model)))
+        current = [b for b, _ in self.model[session][1]]
+        keep = data.draw(st.integers(0, len(current)))
+        extra = data.draw(st.lists(st.integers(0, N_BLOCKS - 1), max_size=3, unique=True))
+        self.requests += 1
+        blocks = current[:keep] + [b for b in extra if b not in current[:keep]]
+        if blocks:
+            self._record(session, f"r{self.requests}", blocks)
 
     @rule(data=st.data())
     def request_finishes(self, data: st.DataObject) -> None:
@@ -310,3 +339,32 @@ def test_move_hands_a_finished_record_to_another_key_holding_the_same_blocks() -
     assert table.holders(1) == 1 and table.holders(9) == 0  # the replaced record let go
     assert not table.move("missing", "x")
     assert table.check() == []
+
+
+def test_a_next_request_carries_the_shared_prefix_over_and_holds_reused_blocks_afresh() -> None:
+    """A session's next request that starts with its last one's blocks keeps their counts (the
+    prefix moves over); a block among them that was reused for new content meanwhile (the
+    request hit it again with that content) is held afresh, not carried as stale."""
+    table = SessionBlocks()
+    table.record("a", [1, 2, 3, 4], 128, "r1")
+    table.record("b", [3], 32, "q1")
+    table.request_finished("a", "r1")
+    table.record("a", [1, 2, 3, 5], 128, "r2")
+    assert [table.holders(b) for b in (1, 2, 3, 4, 5)] == [1, 1, 2, 0, 1]
+    table.request_finished("a", "r2")
+    table.unbind([2])  # reused: new content, which the next request hits at the same index
+    table.record("a", [1, 2, 3], 96, "r3")
+    assert [table.holders(b) for b in (1, 2, 3, 5)] == [1, 1, 2, 0]
+    assert table.check() == [] and table.bindings == 4
+
+
+def test_a_running_request_grows_by_its_new_blocks() -> None:
+    table = SessionBlocks()
+    table.record("a", [1, 2], 64, "r1")
+    assert table.grow("a", "r1", 2, [3, HOLE], 96)
+    assert [table.holders(b) for b in (1, 2, 3)] == [1, 1, 1] and table.bindings == 3
+    assert not table.grow("a", "r1", 3, [4], 128)  # recorded with 4 entries, not 3
+    assert not table.grow("a", "r2", 4, [4], 128)  # another request's record
+    table.request_finished("a", "r1")
+    assert not table.grow("a", "r1", 4, [4], 128)  # finished: its blocks may be reused
+    assert table.holders(4) == 0 and table.check() == []

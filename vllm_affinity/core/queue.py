@@ -432,6 +432,11 @@ class SegmentedFreeBlockQueue:
             return True
         return False
 
+    def cancel_pending_many(self, block_ids: Iterable[int]) -> None:
+        """``cancel_pending`` for each of ``block_ids``, in one set operation."""
+        if self._pending:
+            self._pending.difference_update(block_ids)
+
     # -- introspection ------------------------------------------------------------------------
     def segment_of(self, block: Block) -> Segment | None:
         segment = self._segment_index(block)

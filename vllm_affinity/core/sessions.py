@@ -35,6 +35,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Literal
 
 from .compaction import owner_of
@@ -44,6 +45,20 @@ SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
 
 #: A record index where the request holds no block (vLLM's null block).
 HOLE = -1
+
+
+def _common_prefix(a: array[int], b: array[int], n: int, chunk: int = 256) -> int:
+    """The length of the longest common prefix of ``a[:n]`` and ``b[:n]``: slices compared in C,
+    a Python step per element only inside the first chunk that differs."""
+    start = 0
+    while start < n:
+        end = min(start + chunk, n)
+        if a[start:end] != b[start:end]:
+            while a[start] == b[start]:
+                start += 1
+            return start
+        start = end
+    return n
 
 
 @dataclass(slots=True)
@@ -117,15 +132,55 @@ class SessionBlocks:
             self.latest.move_to_end(session)
             return
         new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
-        self._hold(session, new, block_ids)
+        kept = 0 if old is None else self._carried_over(old, block_ids)
+        if kept:  # the prefix both hold moves to the new record as it is (no count changes)
+            new.block_ids, new.generations = old.block_ids[:kept], old.generations[:kept]
+        self._hold(session, new, block_ids[kept:])
         if old is not None:
-            self._let_go(old, 0)
+            self._let_go(old, kept)
         self.latest[session] = new
         self.latest.move_to_end(session)
         while len(self.latest) > self._max_sessions:
             _, evicted = self.latest.popitem(last=False)
             self._let_go(evicted, 0)
             self.evicted += 1
+
+    def _carried_over(self, old: SessionRecord, block_ids: Sequence[int]) -> int:
+        """How many leading entries of ``old`` the new record holds as they are: the same block
+        at each index, its content unchanged since ``old`` recorded it. A session's next
+        request mostly starts with its last one's blocks: found by comparing arrays (C loops),
+        not by letting go of and holding again every block in Python."""
+        n = min(old.held, len(block_ids))
+        if n == 0:
+            return 0
+        ids = array("i", block_ids[:n])
+        same = _common_prefix(old.block_ids, ids, n)
+        if same == 0:
+            return 0
+        now = array("I", map(self._generation.get, ids[:same], repeat(0)))
+        return _common_prefix(old.generations, now, same)
+
+    def grow(
+        self, session: str, request_id: str, held: int, new_ids: Sequence[int], prompt: int
+    ) -> bool:
+        """The running request ``request_id``, recorded with ``held`` blocks, got ``new_ids``
+        after them: recorded at the cost of the new blocks alone. Earlier entries are kept as
+        they are: a running request's earlier blocks only ever drop out of a sliding window,
+        where the record keeps them anyway (see ``record``). False (nothing changes) when the
+        session's latest record is not that request's, as recorded: call ``record``."""
+        old = self.latest.get(session)
+        if (
+            old is None
+            or old.request_id is None
+            or old.request_id != request_id
+            or old.held != held
+            or len(old.block_ids) != held
+        ):
+            return False
+        self._hold(session, old, new_ids)
+        old.num_prompt_tokens = prompt
+        self.latest.move_to_end(session)
+        return True
 
     def _kept_where_dropped(self, old: SessionRecord, block_ids: Sequence[int]) -> list[int]:
         """``block_ids`` with each hole the running request had a block at (still unreused)
@@ -218,9 +273,16 @@ class SessionBlocks:
         """The record's blocks still holding its content, tail first, each with whether the
         record alone holds it and no other session ever did."""
         holders, generation, shared_blocks = self._holders, self._generation, self._shared
-        for i in reversed(range(record.held)):
-            block_id = record.block_ids[i]
-            if block_id == HOLE or generation.get(block_id, 0) != record.generations[i]:
+        ids, generations = record.block_ids, record.generations
+        held = record.held
+        while held and (
+            ids[held - 1] == HOLE or generation.get(ids[held - 1], 0) != generations[held - 1]
+        ):
+            held -= 1  # a tail that holds nothing any more (reused: never again) is cut off
+        record.held = held  # the picker walks this tail once per pop: no re-walk of the cut
+        for i in reversed(range(held)):
+            block_id = ids[i]
+            if block_id == HOLE or generation.get(block_id, 0) != generations[i]:
                 continue  # no block here, or reused since
             yield block_id, holders.get(block_id, 0) == 1 and block_id not in shared_blocks
 
