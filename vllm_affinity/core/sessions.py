@@ -133,7 +133,7 @@ class SessionBlocks:
             return
         new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
         kept = 0 if old is None else self._carried_over(old, block_ids)
-        if kept:  # the prefix both hold moves to the new record as it is (no count changes)
+        if old is not None and kept:  # the shared prefix moves over as it is (counts unchanged)
             new.block_ids, new.generations = old.block_ids[:kept], old.generations[:kept]
         self._hold(session, new, block_ids[kept:])
         if old is not None:
