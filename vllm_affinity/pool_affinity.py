@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 from jiuwen_kv_protocol.models import (
@@ -47,6 +48,8 @@ from .core.siblings import SiblingStarts
 from .core.subagents import FamilyChange, Subagents
 from .core.tenants import scoped
 from .settings import Settings
+
+_BLOCK_ID = attrgetter("block_id")
 
 #: Key of the in-request hint in ``SamplingParams.extra_args`` (set by the API-server wrap).
 HINT_KEY = "kv_release"
@@ -92,6 +95,8 @@ class PoolAffinity:
             pool.free_block_queue.get_all_free_blocks(), capacity=len(pool.blocks)
         )
         pool.free_block_queue = self.queue
+        #: vLLM's null block (a sliding window's dropped positions): a HOLE in the records.
+        self._null_id: int = pool.null_block.block_id
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
@@ -155,14 +160,22 @@ class PoolAffinity:
         for position, (group, table) in enumerate(zip(self.groups, self.tables, strict=True)):
             group_blocks = blocks[group.index]
             start = already[position] if already else 0
-            grown = [HOLE if b.is_null else b.block_id for b in group_blocks[start:]]
+            grown = self._ids(group_blocks[start:])
             self.queue.cancel_pending_many(grown)  # live users again: not RELEASED when freed
             # a running request that grew (a prefill chunk, a decoded block): its new blocks only
             if already and table.grow(session, request_id, start, grown, prompt):
                 continue
-            ids = [HOLE if b.is_null else b.block_id for b in group_blocks]
-            table.record(session, ids, prompt, request_id)
+            table.record(session, self._ids(group_blocks), prompt, request_id)
         self._bound[request_id] = lengths
+
+    def _ids(self, blocks: Sequence[Any]) -> list[int]:
+        """The blocks' ids, ``HOLE`` for the null block: ids read in C (``map``), a Python
+        step per block only where the null block is among them."""
+        ids = list(map(_BLOCK_ID, blocks))
+        null = self._null_id
+        if null in ids:
+            return [HOLE if i == null else i for i in ids]
+        return ids
 
     def is_bound(self, request_id: str) -> bool:
         return request_id in self._bound

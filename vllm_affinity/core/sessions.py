@@ -218,11 +218,19 @@ class SessionBlocks:
 
     def unbind(self, block_ids: Iterable[int]) -> None:
         """These blocks are being reused for new content: no record holds them any more."""
-        for block_id in block_ids:
-            self._generation[block_id] = self._generation.get(block_id, 0) + 1
-            self.bindings -= self._holders.pop(block_id, 0)
-            self._first_holder.pop(block_id, None)
-            self._shared.discard(block_id)
+        # Only a block whose current content some record held (``_first_holder``: set by every
+        # hold, dropped only here) can have a record entry still valid: the others' entries are
+        # stale already, and a fresh block from vLLM's free list costs one set operation.
+        first_holder = self._first_holder
+        touched = first_holder.keys() & block_ids if first_holder else ()
+        if not touched:
+            return
+        generation, holders = self._generation, self._holders
+        for block_id in touched:
+            generation[block_id] = generation.get(block_id, 0) + 1
+            self.bindings -= holders.pop(block_id, 0)
+            del first_holder[block_id]
+        self._shared.difference_update(touched)
 
     def sole_holder(self, block_id: int) -> str | None:
         """The session whose record alone holds the block's content and no other session
