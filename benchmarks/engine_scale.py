@@ -1,8 +1,8 @@
 """The plugin's engine cost at GPU scale, on CPU: vLLM's real ``KVCacheManager`` / ``BlockPool``
 (no model) with GPU-sized pools (blocks of 16 tokens), driven as the scheduler drives them for
 agent traffic: per request, the session's window looked up, allocated in prefill chunks, decoded
-block by block, freed; sessions grow turn by turn, compact (the window back to the system prompt
-and a summary) and go idle.
+token by token, freed; sessions grow turn by turn, compact (the window back to the system prompt
+and a summary), and end (an idle signal) while new ones start.
 
 Vanilla and the plugin run in one process, rounds alternating: the vanilla manager's pool is
 built with the plugin's ``BlockPool.__init__`` wrapper set aside, so it carries no plugin state
@@ -12,7 +12,7 @@ frees), the ratio, the prompt tokens each side hit, and (``--memory``) what the 
 structures hold.
 
     python -m benchmarks.engine_scale [--cells 20000:16384:30,200000:131072:40,400000:131072:40]
-        [--hybrid] [--rounds 8] [--memory] [--profile]
+        [--hybrid] [--rounds 12] [--memory] [--profile]
 
 A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
 """
@@ -101,33 +101,37 @@ def manager(cell: Cell) -> Any:
 
 @dataclass
 class Traffic:
-    """Each session's window, turn by turn: the shared system prompt, the session's own task,
+    """Each slot's sessions, turn by turn: the shared system prompt, the session's own task,
     then per turn the answer and a tool's output; a compaction every ``compact_every`` turns
-    (back to the system prompt and a summary); an idle every ``idle_every`` turns."""
+    (back to the system prompt and a summary). A session lasts ``life`` turns: at its last it
+    goes idle (the agent says so: its blocks are evicted first) and the slot's next session
+    starts, so sessions come and go as they do on a server."""
 
     cell: Cell
     compact_every: int = 6
-    idle_every: int = 4
+    life: int = 9
     windows: dict[int, list[int]] = field(default_factory=dict)
     turns: dict[int, int] = field(default_factory=dict)
 
-    def window(self, session: int) -> tuple[list[int], str]:
-        """The session's next window, and what its turn is (``turn``, ``compaction``)."""
-        turn = self.turns.get(session, 0)
-        self.turns[session] = turn + 1
-        base = 10**9 + session * 10**7 + turn * 10**5
+    def window(self, slot: int) -> tuple[list[int], str, bool]:
+        """The slot's next window, its session, and whether the session ends with it."""
+        turn = self.turns.get(slot, 0)
+        self.turns[slot] = turn + 1
+        age, generation = turn % self.life, turn // self.life
+        session = f"s{slot}.{generation}"
+        base = 10**9 + slot * 10**7 + turn * 10**5
         grow = max(BLOCK, self.cell.prompt // (2 * self.compact_every))
-        if session not in self.windows:  # a session starts half-way to its longest window
+        last = age == self.life - 1
+        if age == 0:  # a session starts half-way to its longest window
             task = list(range(base, base + self.cell.prompt // 2 - SYSTEM))
-            self.windows[session] = [*range(SYSTEM), *task]
-            return self.windows[session], "first"
-        if turn % self.compact_every == 0:
-            self.windows[session] = [*range(SYSTEM), *range(base, base + 2048)]
-            return self.windows[session], "compaction"
-        window = self.windows[session]
-        window += [*range(base, base + DECODE), *range(base + DECODE, base + grow)]
-        del window[self.cell.prompt - 1 :]  # a window never outgrows the longest prompt
-        return window, "turn"
+            self.windows[slot] = [*range(SYSTEM), *task]
+        elif age % self.compact_every == 0:
+            self.windows[slot] = [*range(SYSTEM), *range(base, base + 2048)]
+        else:
+            window = self.windows[slot]
+            window += [*range(base, base + DECODE), *range(base + DECODE, base + grow)]
+            del window[self.cell.prompt - 1 :]  # a window never outgrows the longest prompt
+        return self.windows[slot], session, last
 
 
 @dataclass
@@ -143,7 +147,7 @@ class Side:
     requests: int = 0
     _ids: int = 0
 
-    def serve(self, hasher: Callable[..., Any], session: int, prompt: list[int]) -> None:
+    def serve(self, hasher: Callable[..., Any], session: str, prompt: list[int]) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -151,7 +155,7 @@ class Side:
         request = Request(
             request_id=f"{self.name}{self._ids}", prompt_token_ids=prompt,
             sampling_params=SamplingParams(max_tokens=DECODE), pooling_params=None,
-            block_hasher=hasher, session_id=f"s{session}",
+            block_hasher=hasher, session_id=session,
         )  # fmt: skip
         kv = self.kv
         start = time.perf_counter()
@@ -204,14 +208,11 @@ def run_cell(
                 if profiler is not None:
                     profiler.enable()
                 mark = len(side.seconds)
-                for session in range(cell.sessions):
-                    window, _ = traffic[side.name].window(session)
+                for slot in range(cell.sessions):
+                    window, session, last = traffic[side.name].window(slot)
                     side.serve(hasher, session, window)
-                    if (
-                        side.state is not None
-                        and traffic[side.name].turns[session] % traffic[side.name].idle_every == 0
-                    ):
-                        side.state.idle_session(f"s{session}")
+                    if last and side.state is not None:
+                        side.state.idle_session(session)
                 if profiler is not None:
                     profiler.disable()
                     pstats.Stats(profiler).sort_stats("tottime").print_stats(
@@ -253,8 +254,9 @@ def plugin_memory(cell: Cell, rounds: int) -> float:
     kv = manager(cell)
     side, traffic = Side("memory", kv, affinity_of(kv.block_pool)), Traffic(cell)
     for _ in range(rounds):
-        for session in range(cell.sessions):
-            side.serve(hasher, session, traffic.window(session)[0])
+        for slot in range(cell.sessions):
+            window, session, _ = traffic.window(slot)
+            side.serve(hasher, session, window)
     gc.collect()
     snapshot = tracemalloc.take_snapshot().filter_traces(
         [tracemalloc.Filter(True, "*vllm_affinity*")]
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default="20000:16384:30,200000:131072:40,400000:131072:40")
     parser.add_argument("--hybrid", action="store_true", help="also every cell on a hybrid spec")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument(
         "--profile", action="store_true",
@@ -322,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             f"x{row['ratio']:.2f} | {hits['vanilla'] / 1e6:.2f}M / {hits['plugin'] / 1e6:.2f}M "
             f"| {mb} |"
         )
+    command = " ".join(
+        ["python -m benchmarks.engine_scale", *(argv if argv is not None else sys.argv[1:])]
+    )
+    lines += ["", f"Made by `{command}`; the ratio is the median of the steady rounds' ratios."]
     write_outputs(args.out, "engine_scale", {"config": vars(args), "rows": rows},
                   "\n".join(lines) + "\n")  # fmt: skip
     return 0
