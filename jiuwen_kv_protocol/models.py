@@ -27,7 +27,7 @@ def _counter_names() -> frozenset[str]:
             "releases", "blocks_moved", "blocks_pending", "restores", "blocks_restored",
             "idles", "blocks_idled", "children_ended", "protects", "blocks_protected",
             "blocks_kept_instructions", "blocks_predicted", "waits_idled", "blocks_idled_waiting",
-            "checkpoints_marked", "checkpoint_blocks_refreshed",
+            "checkpoints_marked", "checkpoint_blocks_refreshed", "engine_us", "engine_steps",
             *(f"{kind}_{mode}" for kind in ("releases", "block_released", "release_us")
               for mode in modes),
             *(f"releases_{status}" for status in releases),

@@ -30,6 +30,7 @@ All of vLLM's own method bodies stay untouched.
 from __future__ import annotations
 
 import logging
+from time import perf_counter_ns
 from typing import Any
 
 import wrapt
@@ -134,9 +135,11 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     blocks = wrapped(*args, **kwargs)
     state = affinity_of(instance)
     if state is not None:
+        start = perf_counter_ns()
         ids = [b.block_id for b in blocks]
         for table in state.tables:
             table.unbind(ids)
+        state.engine_ns += perf_counter_ns() - start
     return blocks
 
 
@@ -151,7 +154,9 @@ def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         if session:
             state = affinity_of(instance.block_pool)
             if state is not None and (any(result.blocks) or not state.is_bound(request.request_id)):
+                start = perf_counter_ns()
                 _bind(state, session, instance, request)
+                state.engine_ns += perf_counter_ns() - start
     return result
 
 
@@ -163,7 +168,11 @@ def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) ->
     if state is None or state.checkpoints is None:
         return answer
     request = args[0] if args else kwargs["request"]
-    return state.checkpoints.on_lookup(instance.coordinator, request, answer)
+    start = perf_counter_ns()
+    try:
+        return state.checkpoints.on_lookup(instance.coordinator, request, answer)
+    finally:
+        state.engine_ns += perf_counter_ns() - start
 
 
 def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -172,11 +181,15 @@ def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance.block_pool) if session else None
     if state is None:
         return wrapped(*args, **kwargs)
+    start = perf_counter_ns()
     _bind(state, session, instance, request)  # the blocks as they are, before vLLM frees them
+    state.engine_ns += perf_counter_ns() - start
     try:
         return wrapped(*args, **kwargs)
     finally:
+        start = perf_counter_ns()
         state.request_done(session, request.request_id)
+        state.engine_ns += perf_counter_ns() - start
 
 
 def _make_add_request(settings: Settings) -> Any:
@@ -185,10 +198,21 @@ def _make_add_request(settings: Settings) -> Any:
         manager = getattr(instance, "kv_cache_manager", None)
         state = affinity_of(manager.block_pool) if manager is not None else None
         if state is not None and request.request_id not in instance.requests:
+            start = perf_counter_ns()
             state.on_new_request(request, settings.release_on_divergence)
+            state.engine_ns += perf_counter_ns() - start
         return wrapped(*args, **kwargs)
 
     return _add_request
+
+
+def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """Counts the scheduler's steps: the plugin's time per step is its time over them."""
+    manager = getattr(instance, "kv_cache_manager", None)
+    state = affinity_of(manager.block_pool) if manager is not None else None
+    if state is not None:
+        state.steps += 1
+    return wrapped(*args, **kwargs)
 
 
 def _engine_state(engine_core: Any) -> PoolAffinity:
@@ -352,6 +376,7 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
+    wrapt.wrap_function_wrapper(Scheduler, "schedule", _schedule)
     EngineCore.affinity_release_prompt = affinity_release_prompt
     EngineCore.affinity_restore_prompt = affinity_restore_prompt
     EngineCore.affinity_session_idle = affinity_session_idle

@@ -85,6 +85,16 @@ class _EngineCollector:
             "and checkpoint blocks a later request sharing them kept recent (blocks_refreshed)",
             labels=["action", "engine"],
         )
+        spent = CounterMetricFamily(
+            "vllm_affinity_engine_seconds",
+            "Seconds the plugin spent on the engine core's scheduler path (binding blocks to "
+            "sessions, the picker, lookups, frees, new requests); over "
+            "vllm_affinity_engine_steps, its time per scheduler step",
+            labels=["engine"],
+        )
+        steps = CounterMetricFamily(
+            "vllm_affinity_engine_steps", "Scheduler steps the engine core ran", labels=["engine"]
+        )
         children = GaugeMetricFamily(
             "vllm_affinity_running_subagents",
             "Subagent sessions that named a parent and have not ended their task",
@@ -113,6 +123,8 @@ class _EngineCollector:
             idled.add_metric([engine], stats.counter("blocks_idled"))
             protected.add_metric([engine], stats.counter("blocks_protected"))
             children.add_metric([engine], stats.children)
+            spent.add_metric([engine], stats.counter("engine_us") / 1e6)
+            steps.add_metric([engine], stats.counter("engine_steps"))
             checkpoints.add_metric(["marked", engine], stats.counter("checkpoints_marked"))
             checkpoints.add_metric(
                 ["blocks_refreshed", engine], stats.counter("checkpoint_blocks_refreshed")
@@ -135,6 +147,8 @@ class _EngineCollector:
         yield protected
         yield group_blocks
         yield checkpoints
+        yield spent
+        yield steps
         yield children
         yield sessions
         yield bindings

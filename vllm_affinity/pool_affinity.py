@@ -97,6 +97,10 @@ class PoolAffinity:
         pool.free_block_queue = self.queue
         #: vLLM's null block (a sliding window's dropped positions): a HOLE in the records.
         self._null_id: int = pool.null_block.block_id
+        #: Nanoseconds the plugin spent on the scheduler's path (``engine.py``'s wrappers and
+        #: the picker) and the scheduler steps run: ``/metrics`` shows the time per step.
+        self.engine_ns = 0
+        self.steps = 0
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
@@ -674,7 +678,11 @@ class PoolAffinity:
             num_blocks=self.pool.num_gpu_blocks,
             groups=self.group_stats(),
             predict_return=self.returns is not None,
-            **self.counters.as_dict(),
+            **{
+                **self.counters.as_dict(),
+                "engine_us": (self.engine_ns + self.queue.picker_ns) // 1000,
+                "engine_steps": self.steps,
+            },
         )
 
     def check(self, idle: bool) -> list[str]:

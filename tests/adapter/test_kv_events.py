@@ -172,3 +172,20 @@ def test_events_agree_on_a_hybrid_model_through_every_plugin_path() -> None:
     assert stats.block_released_compaction > 0 and stats.blocks_idled > 0
     assert stats.block_released_child_end > 0
     assert manager.block_pool.get_usage() == 0.0
+
+
+def test_the_plugin_counts_its_own_time_on_the_scheduler_path() -> None:
+    """``engine_us`` grows with the plugin's work on the scheduler's path (binding a session's
+    blocks, its frees, new blocks' unbinding), as ``/metrics`` shows it."""
+    manager = manager_with_events(48, [full()])
+    state = state_of(manager)
+    assert state.engine_ns == 0 and state.stats().counter("engine_us") == 0
+    call(manager, tokens(1000, 4), "s1")
+    first = state.engine_ns
+    assert first > 0
+    for n in range(20):  # a thousand ns at least: the counter reads whole microseconds
+        call(manager, tokens(2000 + 100 * n, 4), f"s{n + 2}")
+    assert state.engine_ns > first
+    assert state.queue.picker_ns > 0  # a pool too small for them: the picker chose victims
+    total = (state.engine_ns + state.queue.picker_ns) // 1000
+    assert state.stats().counter("engine_us") == total > 0

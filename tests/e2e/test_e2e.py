@@ -188,6 +188,13 @@ def test_metrics_show_segments(vllm_affinity_server: VLLMServer) -> None:
         assert server.metric("vllm_affinity_blocks", segment=segment) == count
     assert server.metric("vllm_affinity_release_requests_total", outcome="ok") == requests + 1
     assert server.metric("vllm_affinity_block_released_total") == blocks + released
+    # the plugin's own time on the scheduler path, and the steps to divide it by
+    assert stats["engine_steps"] > 0 and stats["engine_us"] > 0
+    spent = server.metric("vllm_affinity_engine_seconds_total")
+    assert server.metric("vllm_affinity_engine_steps_total") == stats["engine_steps"]
+    assert abs(spent - stats["engine_us"] / 1e6) < 1e-6
+    per_step = stats["engine_us"] / stats["engine_steps"]
+    assert per_step < 50_000, f"{per_step:.0f} µs of the plugin per step"
 
 
 def test_concurrent_releases_during_generation(vllm_affinity_server: VLLMServer) -> None:
