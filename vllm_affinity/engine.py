@@ -145,18 +145,24 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """Bind on a request's first allocation and whenever it got new blocks: once per block, not
-    once per decoded token (most decode steps allocate nothing). A request of no session is
-    never bound, and costs one attribute check per step."""
+    once per decoded token. A decode step that got no block (most) costs an ``any`` over the
+    new blocks and one attribute read, whether the request has a session or not."""
     result = wrapped(*args, **kwargs)
-    if result is not None:
-        request = args[0] if args else kwargs["request"]
-        session = session_of(request)
-        if session:
-            state = affinity_of(instance.block_pool)
-            if state is not None and (any(result.blocks) or not state.is_bound(request.request_id)):
-                start = perf_counter_ns()
-                _bind(state, session, instance, request)
-                state.engine_ns += perf_counter_ns() - start
+    if result is None:
+        return result
+    request = args[0] if args else kwargs["request"]
+    if not any(result.blocks) and getattr(request, "_jiuwen_settled", False):
+        return result  # a decode step that got no block, of a request bound or of no session
+    session = session_of(request)
+    state = affinity_of(instance.block_pool) if session else None
+    if state is None:
+        request._jiuwen_settled = True  # nothing to bind, on any step
+        return result
+    start = perf_counter_ns()
+    if any(result.blocks) or not state.is_bound(request.request_id):
+        _bind(state, session, instance, request)
+    request._jiuwen_settled = True  # until it frees its blocks (``_free``)
+    state.engine_ns += perf_counter_ns() - start
     return result
 
 
@@ -189,6 +195,7 @@ def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     finally:
         start = perf_counter_ns()
         state.request_done(session, request.request_id)
+        request._jiuwen_settled = False  # preempted and resumed: bound afresh
         state.engine_ns += perf_counter_ns() - start
 
 
