@@ -101,6 +101,9 @@ class PoolAffinity:
         #: the picker) and the scheduler steps run: ``/metrics`` shows the time per step.
         self.engine_ns = 0
         self.steps = 0
+        #: Sessions whose own blocks went to IDLE and that have not called since: the picker's
+        #: walk skips them (their blocks are not NORMAL; walking them cost every pop a record).
+        self._idled: OrderedDict[str, None] = OrderedDict()
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
@@ -123,6 +126,7 @@ class PoolAffinity:
         self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
         self._victims: Iterator[tuple[float, Any]] | None = None
         self._peeked: tuple[float, Any] | None = None
+        self._dues: dict[str, float] = {}  # each spared session's due, once per pop
         self.predict_returns(
             self._picker is True or (self._picker is None and len(self.groups) == 1)
         )
@@ -362,6 +366,10 @@ class PoolAffinity:
             self.counters.add("idles_returns_soon", 1)
             return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
         moved = self._move_to_idle(selections)
+        if moved:
+            self._idled[owner_of(session)] = None
+            if len(self._idled) > self._max_sessions:
+                self._idled.popitem(last=False)
         self.counters.add(f"idles_{status}", 1)
         return EngineIdle(
             status=status,
@@ -554,6 +562,7 @@ class PoolAffinity:
         session = session_of(request)
         if not session:
             return
+        self._idled.pop(owner_of(session), None)
         for guard in (self.idle_guard, self.wait_guard):
             if guard is not None:
                 guard.came_back(session, self.queue.cached_reused)
@@ -617,11 +626,18 @@ class PoolAffinity:
         unless that session is due back before the victim's (``swap_for``)."""
         assert self.returns is not None
         if position == 0:  # a new pop: the candidates afresh
-            self._victims, self._peeked = None, None
-        spared = next((s for t in self.tables if (s := t.sole_holder(lru.block_id))), None)
+            self._victims, self._peeked, self._dues = None, None, {}
+        block_id = lru.block_id
+        spared = None
+        for table in self.tables:
+            spared = table.sole_holder(block_id)
+            if spared is not None:
+                break
         if spared is None:
             return lru
-        spared_due = self.returns.due(spared)
+        spared_due = self._dues.get(spared)
+        if spared_due is None:  # the predictor does not change during a pop: once per session
+            spared_due = self._dues[spared] = self.returns.due(spared)
         if spared_due == float("inf"):  # gone or not known: no swap (``swap_for``), no stream
             return lru
         if self._victims is None:
@@ -643,12 +659,19 @@ class PoolAffinity:
         assert self.returns is not None
         blocks, queue = self.pool.blocks, self.queue
         for session in self.returns.back_last_first():
+            if session in self._idled:
+                continue
             due = self.returns.due(session)
             for table in self.tables:
                 for block_id in table.own_tail_first(session):
                     block = blocks[block_id]
                     if queue.segment_of(block) is Segment.NORMAL:
                         yield due, block
+                    elif block.ref_cnt > 0:
+                        # in use: a running request hit the record up to here, and prefix hits
+                        # are prefix-closed, so every block before it is in use too (the
+                        # session allocating now: it called last, so it is walked first)
+                        break
 
     def group_stats(self) -> list[GroupStats]:
         return [
