@@ -11,9 +11,11 @@ Here, on CPU with the small local model (the default), a reduced grid:
 
     python -m benchmarks.compare_all --pools 0.35 --scale 0.015625 --speed 16 --limit 200
 
-Each cell is ``benchmarks/trace_replay.py`` (a fresh server per scenario, the simulator beside
-each run); its results are kept as ``<out>/compare_<ends>_<clock>.{json,md}``, and the report
-is ``<out>/compare.md``. Without AgentInfer installed, its scenario is left out (and said so).
+First the engine's cost at GPU pool sizes (``benchmarks/engine_scale.py``: vLLM's
+scheduler-side classes, no model; ``--engine-scale ""`` skips it). Each cell is
+``benchmarks/trace_replay.py`` (a fresh server per scenario, the simulator beside each run);
+its results are kept as ``<out>/compare_<ends>_<clock>.{json,md}``, and the report is
+``<out>/compare.md``. Without AgentInfer installed, its scenario is left out (and said so).
 """
 
 from __future__ import annotations
@@ -89,6 +91,18 @@ def verdicts(stem: str, result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def engine_section(cells: str, out: Path) -> list[str]:
+    """The engine's cost at GPU pool sizes (``benchmarks/engine_scale.py``), run before the
+    traces so a GPU run reports the plugin's scheduler time beside its hits; its table."""
+    if not cells:
+        return []
+    from benchmarks import engine_scale
+
+    engine_scale.main(["--cells", cells, "--hybrid", "--out", str(out)])
+    table = (out / "engine_scale.md").read_text().strip().splitlines()
+    return ["# The engine's cost", "", *table, ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default="agentinfer", help="as trace_replay's --traces")
@@ -101,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clocked-pools", help="the clocked runs' pools (default: --pools)")
     parser.add_argument("--no-peer", action="store_true", help="leave AgentInfer out")
     parser.add_argument("--out", default="benchmarks/results/compare")
+    parser.add_argument(
+        "--engine-scale", default="20000:16384:30,200000:131072:40,400000:131072:40",
+        help="first, the plugin's engine cost at these pool sizes (benchmarks.engine_scale "
+        "cells, one group and hybrid); empty: skip it",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.traces == "agentinfer" and (trace := agentinfer_trace()) is not None:
         args.traces = f"agentinfer={trace}"  # the package is in the peer's virtualenv
@@ -123,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| run | trace | pool | {header} | plugin vs vanilla |",
         "|---|---|---:|" + "---:|" * len(scenarios) + "---|",
     ]
+    lines = [*engine_section(args.engine_scale, Path(args.out)), *lines]
     for stem, ends, speed, pools in cells(args):
         lines += verdicts(stem, run_cell(args, stem, ends, speed, pools, scenarios))
     report = "\n".join(lines) + "\n"
