@@ -7,19 +7,27 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from vllm_affinity.engine import event_hash_text
-from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, free_port
+from vllm_affinity.testing import (
+    BLOCK_SIZE,
+    SERVED_NAME,
+    VLLMServer,
+    free_port,
+    start_process_group,
+    stop_process_group,
+)
 
 ROUTER_VERSION = "0.1.17"
 #: Where ``make test`` installs it.
@@ -44,6 +52,26 @@ def router_binary(given: str | None = None) -> str | None:
         if found:
             return found
     return None
+
+
+def apply_kv_events(cached: dict[int, set[str]], events: Iterable[Any]) -> int:
+    """Replay vLLM's KV events into ``cached`` (per group, the hashes as ``event_hash_text``
+    spells them), as a KV-aware router does; returns how many hashes were removed."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    removed = 0
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            cached.clear()
+            continue
+        hashes = {event_hash_text(h) for h in event.block_hashes}
+        group = cached.setdefault(event.group_idx or 0, set())
+        if isinstance(event, BlockStored):
+            group.update(hashes)
+        elif isinstance(event, BlockRemoved):
+            group.difference_update(hashes)
+            removed += len(hashes)
+    return removed
 
 
 class KvEventView:
@@ -85,12 +113,7 @@ class KvEventView:
     def _run(self) -> None:
         import msgspec
         import zmq
-        from vllm.distributed.kv_events import (  # imported by start() already
-            AllBlocksCleared,
-            BlockRemoved,
-            BlockStored,
-            KVEventBatch,
-        )
+        from vllm.distributed.kv_events import KVEventBatch  # imported by start() already
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         context = zmq.Context()
@@ -110,17 +133,7 @@ class KvEventView:
                         self.gaps += 1
                     self._last_seq = seq
                     self.batches += 1
-                    for event in batch.events:
-                        if isinstance(event, AllBlocksCleared):
-                            self.cached.clear()
-                            continue
-                        hashes = {event_hash_text(h) for h in event.block_hashes}
-                        group = self.cached[event.group_idx or 0]
-                        if isinstance(event, BlockStored):
-                            group.update(hashes)
-                        elif isinstance(event, BlockRemoved):
-                            group.difference_update(hashes)
-                            self.removed += len(hashes)
+                    self.removed += apply_kv_events(self.cached, batch.events)
         finally:
             socket.close(linger=0)
             context.term()
@@ -201,7 +214,9 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> Router:
-        self._process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        self._process = start_process_group(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -216,13 +231,8 @@ class Router:
         raise RuntimeError(f"vllm-router did not start; see {self.log_path}")
 
     def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-        self._process = None
+        process, self._process = self._process, None
+        stop_process_group(process, signal.SIGTERM, timeout=20)
         self._log.close()
 
     def __enter__(self) -> Router:

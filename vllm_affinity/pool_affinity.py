@@ -101,9 +101,6 @@ class PoolAffinity:
         #: the picker) and the scheduler steps run: ``/metrics`` shows the time per step.
         self.engine_ns = 0
         self.steps = 0
-        #: Sessions whose own blocks went to IDLE and that have not called since: the picker's
-        #: walk skips them (their blocks are not NORMAL; walking them cost every pop a record).
-        self._idled: OrderedDict[str, None] = OrderedDict()
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
@@ -366,10 +363,6 @@ class PoolAffinity:
             self.counters.add("idles_returns_soon", 1)
             return EngineIdle(status="returns_soon", blocks_idled=0, kept_shared=0)
         moved = self._move_to_idle(selections)
-        if moved:
-            self._idled[owner_of(session)] = None
-            if len(self._idled) > self._max_sessions:
-                self._idled.popitem(last=False)
         self.counters.add(f"idles_{status}", 1)
         return EngineIdle(
             status=status,
@@ -562,7 +555,6 @@ class PoolAffinity:
         session = session_of(request)
         if not session:
             return
-        self._idled.pop(owner_of(session), None)
         for guard in (self.idle_guard, self.wait_guard):
             if guard is not None:
                 guard.came_back(session, self.queue.cached_reused)
@@ -659,8 +651,6 @@ class PoolAffinity:
         assert self.returns is not None
         blocks, queue = self.pool.blocks, self.queue
         for session in self.returns.back_last_first():
-            if session in self._idled:
-                continue
             due = self.returns.due(session)
             for table in self.tables:
                 for block_id in table.own_tail_first(session):

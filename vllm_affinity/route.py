@@ -57,7 +57,14 @@ async def affinity_stats(service: Authorised) -> JSONResponse:
 async def affinity_check(service: Authorised, blocks: bool = False) -> JSONResponse:
     """The plugin's invariants in every engine (free queue, pool, session table): for soak
     tests and operators. O(blocks + bindings) in the engine core: not for tight loops.
-    ``?blocks=true`` adds each group's cached block hashes, to check a KV-event consumer."""
+    ``?blocks=true`` adds each group's cached block hashes, to check a KV-event consumer: only
+    on a single-tenant server (one key at most, no tenant header), since the list fingerprints
+    every tenant's cache at once."""
+    if blocks and (service.settings.tenant_header or len(service.api_tokens) > 1):
+        return error_response(
+            403, "the cached block list is served only on a single-tenant server",
+            "PermissionDeniedError",
+        )  # fmt: skip
     try:
         engines = await service.call_engines("affinity_check", blocks)
     except ReleaseError as exc:

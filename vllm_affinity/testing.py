@@ -149,6 +149,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def start_process_group(command: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
+    """A child in a process group of its own that dies with its parent (``stop_process_group``
+    stops it whole): no server is left behind by a killed test run or demo."""
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent, **popen)
+
+
+def stop_process_group(
+    process: subprocess.Popen[Any] | None, graceful: signal.Signals, timeout: float
+) -> None:
+    """Send ``graceful`` to the process's group, then SIGKILL it after ``timeout`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, graceful)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
 class LoopbackServer:
     """Something serving HTTP on 127.0.0.1 at ``port``, with its OpenAI base URL."""
 
@@ -317,14 +337,7 @@ class VLLMServer(LoopbackServer):
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        stop_process_group(process, signal.SIGINT, timeout=30)
 
     def kill(self) -> None:
         """SIGKILL the whole server (API server and engine core), as a crash would; ``start()``
@@ -495,12 +508,10 @@ class NginxRouter(LoopbackServer):
         )
         if test.returncode != 0:
             raise RouterStartError(f"nginx rejected its configuration:\n{test.stderr}")
-        self._process = subprocess.Popen(
+        self._process = start_process_group(
             [nginx, "-p", str(self.prefix), "-c", str(conf)],
             stdout=subprocess.DEVNULL,
             stderr=(self.prefix / "stderr.log").open("wb"),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -524,13 +535,8 @@ class NginxRouter(LoopbackServer):
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGQUIT)  # graceful: finish the requests in flight
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+        # SIGQUIT: nginx's graceful stop, finishing the requests in flight
+        stop_process_group(process, signal.SIGQUIT, timeout=10)
 
     def __enter__(self) -> NginxRouter:
         return self.start()

@@ -10,17 +10,14 @@ reports each one."""
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from typing import Any
 
 import torch
 from hypothesis import settings
 from hypothesis.stateful import invariant
 from test_adapter_churn import ChurnMachine
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -30,8 +27,15 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 from vllm_parts import BLOCK, generate, make_request, run_prefill, state_of, tokens
 
+from benchmarks.vllm_router import apply_kv_events
 from vllm_affinity.core.compaction import side_branch
-from vllm_affinity.engine import PARENT_KEY, RETRY_KEY, REWRITE_KEY, apply_engine_patches
+from vllm_affinity.engine import (
+    PARENT_KEY,
+    RETRY_KEY,
+    REWRITE_KEY,
+    apply_engine_patches,
+    cached_block_hashes,
+)
 
 apply_engine_patches()
 
@@ -64,38 +68,28 @@ def sliding() -> SlidingWindowSpec:
 
 
 class Subscriber:
-    """What a router holds: per group, the block hashes the events say are cached."""
+    """What a router holds: per group, the block hashes the events say are cached (replayed as
+    ``benchmarks/vllm_router.py`` replays a live replica's, against the same engine listing
+    ``/affinity/check?blocks=true`` serves)."""
 
     def __init__(self) -> None:
-        self.cached: dict[int, set[Any]] = defaultdict(set)
-
-    def replay(self, manager: KVCacheManager) -> None:
-        for event in manager.block_pool.take_events():
-            if isinstance(event, BlockStored):
-                self.cached[event.group_idx or 0].update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self.cached[event.group_idx or 0].difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self.cached.clear()
+        self.cached: dict[int, set[str]] = {}
 
     def agrees_with(self, manager: KVCacheManager, exact: bool = True) -> None:
         """The events' view is the engine's (``exact``), or at least never holds a block the
         engine does not (a router never counts on a cache that is gone)."""
-        self.replay(manager)
-        engine: dict[int, set[Any]] = defaultdict(set)
-        for key in manager.block_pool.cached_block_hash_to_block._cache:
-            engine[get_group_id(key)].add(maybe_convert_block_hash(get_block_hash(key)))
-        groups = set(engine) | set(self.cached)
-        for group in groups:
-            phantom = self.cached[group] - engine[group]
+        apply_kv_events(self.cached, manager.block_pool.take_events())
+        engine = {int(g): set(h) for g, h in cached_block_hashes(manager.block_pool).items()}
+        for group in set(engine) | set(self.cached):
+            seen, held = self.cached.get(group, set()), engine.get(group, set())
+            phantom = seen - held
             assert not phantom, f"group {group}: {len(phantom)} blocks the events say are cached"
             if not exact:
                 continue
-            assert self.cached[group] == engine[group], (
-                f"group {group}: the events say {len(self.cached[group])} blocks are cached, "
-                f"the engine holds {len(engine[group])}; only in the events: "
-                f"{len(self.cached[group] - engine[group])}, only in the engine: "
-                f"{len(engine[group] - self.cached[group])}"
+            assert seen == held, (
+                f"group {group}: the events say {len(seen)} blocks are cached, the engine holds "
+                f"{len(held)}; only in the events: {len(seen - held)}, only in the engine: "
+                f"{len(held - seen)}"
             )
 
 

@@ -179,3 +179,17 @@ def test_fuzzed_tenant_header_values_never_break_a_call(server: VLLMServer) -> N
             assert release.status_code == 200, release.text
 
     one()
+
+
+def test_the_cached_block_list_is_refused_on_a_server_of_several_tenants(
+    server: VLLMServer,
+) -> None:
+    """``/affinity/check?blocks=true`` lists every cached block's hash: on this server of two
+    keys and a tenant header it would fingerprint the other tenant's cache, so it is refused;
+    the plain check (counts only) still answers."""
+    url = server.root_url + "/affinity/check"
+    refused = httpx.get(url, params={"blocks": "true"}, headers=auth(KEY_B), timeout=30)
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["type"] == "PermissionDeniedError"
+    plain = httpx.get(url, headers=auth(KEY_B), timeout=30)
+    assert plain.status_code == 200 and "cached_blocks" not in plain.json()["engines"][0]
