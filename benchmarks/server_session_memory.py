@@ -20,11 +20,10 @@ from vllm_affinity.settings import Settings
 
 
 def retained_bytes(table: SessionBlocks) -> int:
-    size = sum(sys.getsizeof(d) for d in (table.latest, table._holders, table._generation))
+    size = sys.getsizeof(table.latest) + table.block_state_bytes
     for key, record in table.latest.items():
         size += sys.getsizeof(key) + sys.getsizeof(record) + sys.getsizeof(record.request_id)
         size += sys.getsizeof(record.block_ids) + sys.getsizeof(record.generations)
-    size += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in table._holders.items())
     return size
 
 

@@ -30,9 +30,11 @@ All of vLLM's own method bodies stay untouched.
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from time import perf_counter_ns
 from typing import Any
 
+import numpy as np
 import wrapt
 
 from jiuwen_kv_protocol.models import ReleaseMode
@@ -71,6 +73,7 @@ __all__ = [
 ]
 
 _applied = False
+_BLOCK_ID = attrgetter("block_id")
 logger = logging.getLogger("vllm_affinity")
 
 
@@ -136,7 +139,7 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance)
     if state is not None:
         start = perf_counter_ns()
-        ids = [b.block_id for b in blocks]
+        ids = np.fromiter(map(_BLOCK_ID, blocks), np.int32, len(blocks))
         for table in state.tables:
             table.unbind(ids)
         state.engine_ns += perf_counter_ns() - start

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
+
 from jiuwen_kv_protocol.models import (
     COUNTER_NAMES,
     GROUP_COUNTERS,
@@ -121,9 +123,6 @@ class PoolAffinity:
         self.siblings = SiblingStarts()
         self._child_end = settings.child_end
         self.idle_guard = IdleGuard(settings.max_sessions) if settings.idle_guard else None
-        self._victims: Iterator[tuple[float, Any]] | None = None
-        self._peeked: tuple[float, Any] | None = None
-        self._dues: dict[str, float] = {}  # each spared session's due, once per pop
         self.predict_returns(
             self._picker is True or (self._picker is None and len(self.groups) == 1)
         )
@@ -136,7 +135,9 @@ class PoolAffinity:
         if not groups:
             raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
         self.groups = groups
-        self.tables = tuple(SessionBlocks(self._max_sessions) for _ in groups)
+        self.tables = tuple(
+            SessionBlocks(self._max_sessions, self.pool.num_gpu_blocks) for _ in groups
+        )
         #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
         self.checkpoints = (
             InstructionCheckpoints(self.queue, groups, self.counters, self._max_sessions)
@@ -166,20 +167,18 @@ class PoolAffinity:
             group_blocks = blocks[group.index]
             start = already[position] if already else 0
             grown = self._ids(group_blocks[start:])
-            self.queue.cancel_pending_many(grown)  # live users again: not RELEASED when freed
+            if self.queue.num_pending:  # live users again: not RELEASED when freed
+                self.queue.cancel_pending_many(grown.tolist())
             # a running request that grew (a prefill chunk, a decoded block): its new blocks only
             if already and table.grow(session, request_id, start, grown, prompt):
                 continue
             table.record(session, self._ids(group_blocks), prompt, request_id)
         self._bound[request_id] = lengths
 
-    def _ids(self, blocks: Sequence[Any]) -> list[int]:
-        """The blocks' ids, ``HOLE`` for the null block: ids read in C (``map``), a Python
-        step per block only where the null block is among them."""
-        ids = list(map(_BLOCK_ID, blocks))
-        null = self._null_id
-        if null in ids:
-            return [HOLE if i == null else i for i in ids]
+    def _ids(self, blocks: Sequence[Any]) -> np.ndarray:
+        """The blocks' ids, ``HOLE`` for the null block, read in C (``map``) into an array."""
+        ids = np.fromiter(map(_BLOCK_ID, blocks), np.int32, len(blocks))
+        ids[ids == self._null_id] = HOLE
         return ids
 
     def is_bound(self, request_id: str) -> bool:
@@ -612,50 +611,75 @@ class PoolAffinity:
         self.wait_guard = IdleGuard(self._max_sessions) if on else None
         self.queue.set_picker(self.pick if on else None)
 
-    def pick(self, lru: Any, position: int) -> Any:
-        """The queue's picker (``core/returns.py``): where LRU's victim is a block one session
-        alone holds, the deepest own live block of the session predicted back last instead,
-        unless that session is due back before the victim's (``swap_for``)."""
+    def pick(self, take: int) -> list[Any]:
+        """The queue's picker (``core/returns.py``), once per pop, for its ``take`` live blocks:
+        LRU's victims in order, except that where one is a block a single session alone holds,
+        the deepest own live block of the session predicted back last goes instead, unless
+        that session is due back before the victim's (``swap_for``)."""
         assert self.returns is not None
-        if position == 0:  # a new pop: the candidates afresh
-            self._victims, self._peeked, self._dues = None, None, {}
-        block_id = lru.block_id
-        spared = None
+        due_of = self.returns.due
+        tables = self.tables
+        sole = tables[0].sole_holder if len(tables) == 1 else self._sole_holder
+        dues: dict[str, float] = {}  # each spared session's due (no change during a pop)
+        inf = float("inf")
+        picked: list[Any] = []
+        taken: set[int] = set()
+        victims: Iterator[tuple[float, Any]] | None = None
+        peeked: tuple[float, Any] | None = None
+        swapped = 0
+        lru_order = self.queue.normal_lru()
+        is_normal = self.queue.is_normal
+        for lru in lru_order:
+            if len(picked) == take:
+                break
+            while lru.block_id not in taken:  # LRU's victim stays until it is taken itself
+                spared = sole(lru.block_id)
+                if spared is None:
+                    spared_due = inf
+                elif (spared_due := dues.get(spared)) is None:  # type: ignore[assignment]
+                    spared_due = dues[spared] = due_of(spared)
+                item = None
+                if spared_due != inf:  # gone or not known: no swap (``swap_for``), no stream
+                    if victims is None:
+                        victims = self._victim_stream()
+                    item = peeked or next(victims, None)
+                    while item is not None and (
+                        item[1].block_id in taken or not is_normal(item[1])
+                    ):
+                        item = next(victims, None)  # taken by this pop already
+                    peeked = item
+                if item is None or not swap_for(item[0], spared_due):
+                    item = (0.0, lru)
+                else:
+                    peeked = None
+                    swapped += item[1] is not lru
+                picked.append(item[1])
+                taken.add(item[1].block_id)
+                if len(picked) == take:
+                    break
+        if swapped:
+            self.counters.add("blocks_predicted", swapped)
+        return picked
+
+    def _sole_holder(self, block_id: int) -> str | None:
+        """The session alone holding the block in some group (``SessionBlocks.sole_holder``)."""
         for table in self.tables:
             spared = table.sole_holder(block_id)
             if spared is not None:
-                break
-        if spared is None:
-            return lru
-        spared_due = self._dues.get(spared)
-        if spared_due is None:  # the predictor does not change during a pop: once per session
-            spared_due = self._dues[spared] = self.returns.due(spared)
-        if spared_due == float("inf"):  # gone or not known: no swap (``swap_for``), no stream
-            return lru
-        if self._victims is None:
-            self._victims = self._victim_stream()
-        item = self._peeked or next(self._victims, None)
-        while item is not None and self.queue.segment_of(item[1]) is not Segment.NORMAL:
-            item = next(self._victims, None)  # taken by this pop already
-        self._peeked = item
-        if item is None or not swap_for(item[0], spared_due):
-            return lru
-        self._peeked = None
-        if item[1] is not lru:
-            self.counters.add("blocks_predicted", 1)
-        return item[1]
+                return spared
+        return None
 
     def _victim_stream(self) -> Iterator[tuple[float, Any]]:
         """(due, block): the candidates' own live blocks, the session due back last first,
         each session's tail first (every group)."""
         assert self.returns is not None
-        blocks, queue = self.pool.blocks, self.queue
+        blocks, is_normal = self.pool.blocks, self.queue.is_normal
         for session in self.returns.back_last_first():
             due = self.returns.due(session)
             for table in self.tables:
                 for block_id in table.own_tail_first(session):
                     block = blocks[block_id]
-                    if queue.segment_of(block) is Segment.NORMAL:
+                    if is_normal(block):
                         yield due, block
                     elif block.ref_cnt > 0:
                         # in use: a running request hit the record up to here, and prefix hits

@@ -248,6 +248,19 @@ TestSessionMachine = SessionMachine.TestCase
 TestSessionMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 
 
+class VectorisedSessionMachine(SessionMachine):
+    """The same model, every hold and unbind on the vectorised path (short lists otherwise go
+    block by block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table.few = 0
+
+
+TestVectorisedSessionMachine = VectorisedSessionMachine.TestCase
+TestVectorisedSessionMachine.settings = TestSessionMachine.settings
+
+
 def retained_bytes(table: SessionBlocks) -> int:
     """What the table keeps alive: its dicts, and per session the key, record and arrays."""
     size = sum(sys.getsizeof(d) for d in (table.latest, table._holders, table._generation))

@@ -24,17 +24,19 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
   PROTECTED is still free, so it never starves an allocation, it only comes last).
 
 A picker (``set_picker``; ``PoolAffinity.pick`` with ``VLLM_AFFINITY_PREDICT_RETURN``) may
-choose which NORMAL blocks a pop takes instead of LRU's: asked once per NORMAL block the pop
-reaches, with LRU's victim; its choices move to the head of NORMAL and are popped from there.
+choose which NORMAL blocks a pop takes instead of LRU's: asked once per pop that reaches NORMAL,
+for all the live blocks it takes (``normal_lru`` gives it LRU's order); its choices move to the
+head of NORMAL and are popped from there.
 
 Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
 the segment sizes; RELEASED, IDLE and NORMAL keep insertion order (least recently freed first). A
 released or idle block keeps its hash: it can still be hit until it is actually reused.
 
-Precondition, ``BlockPool``'s own rule: ``prepend_n`` gets blocks without a hash and only those
-are removed from FREE, since a block without a hash is never hit (``remove`` is the prefix
-hit). The queue reads ``block_hash`` where it must tell a FREE block from a NORMAL one outside
-the hot loops (``remove``, ``release``), so ``prepend_n`` and popping FREE write no mark.
+Precondition, ``BlockPool``'s own rule: ``prepend_n`` gets blocks without a hash, and
+``remove`` (the prefix hit) only blocks with one, since a block without a hash is never hit. The
+queue reads ``block_hash`` only where it must tell a FREE block from a NORMAL one outside the
+hot loops (``release``, ``idle``, a picker's answer), so ``prepend_n``, ``remove`` and popping
+FREE write no mark and read no hash.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ class Block(Protocol):
     def block_hash(self) -> Any: ...
 
 
-#: Asked, block by block, which live block to pop in place of LRU's victim (``head``, the first
-#: NORMAL block); ``position`` is 0 for the first block of a pop. It returns a NORMAL block
-#: (``head`` keeps LRU's choice). ``PoolAffinity.pick``: the session predicted back last.
-Picker = Callable[[Block, int], Block]
+#: Asked once per pop that reaches NORMAL: the ``take`` live blocks to pop, in order, in place
+#: of LRU's (the first ``take`` of ``normal_lru``). What it names that is not a queued NORMAL
+#: block, or is named twice, is skipped; LRU's order fills what it leaves short.
+#: ``PoolAffinity.pick``: the sessions predicted back last give up their blocks first.
+Picker = Callable[[int], list[Block]]
 
 
 class Segment(IntEnum):
@@ -255,7 +258,8 @@ class SegmentedFreeBlockQueue:
                 self.released_reused += take
 
     def remove(self, block: Block) -> None:
-        """Take a block out of the queue (a prefix hit): it is live again, not released."""
+        """Take a cached block out of the queue (a prefix hit): it is live again, not released.
+        Never a FREE block (the module's precondition): vLLM's hot call reads no hash here."""
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() called on a block not in the queue: {block.block_id}")
@@ -272,8 +276,6 @@ class SegmentedFreeBlockQueue:
                 self.released_hit += 1
             self._mark[block.block_id] = _NORMAL
             self._num_marked -= 1
-        elif block.block_hash is None:  # FREE (vLLM never does this: no hash, no hit)
-            self._num_free -= 1
 
     def append(self, block: Block) -> None:
         self.append_n([block])
@@ -347,9 +349,8 @@ class SegmentedFreeBlockQueue:
         self._picker = picker
 
     def _repick(self, n: int) -> None:
-        """Before a pop of ``n``: the NORMAL blocks it will take, asked of the picker one by
-        one and moved to the head of NORMAL in that order (they stay NORMAL). A picker that
-        answers anything but a queued NORMAL block leaves LRU's choice."""
+        """Before a pop of ``n``: the NORMAL blocks it will take, asked of the picker at once
+        and moved to the head of NORMAL in that order (they stay NORMAL)."""
         before = self._num_free + self._num_marked - self._num_protected
         # num_free_blocks is already net of the n popped
         normal = self.num_free_blocks + n - self._num_free - self._num_marked
@@ -357,18 +358,18 @@ class SegmentedFreeBlockQueue:
         if take <= 0:
             return
         assert self._picker is not None
-        head = self._normal_head
+        mark = self._mark
         picked: list[Block] = []
-        for position in range(take):
-            lru = head.next_free_block
-            block = self._picker(lru, position)
-            if block is not lru and self._segment_index(block) != _NORMAL:
-                block = lru
-            prev, nxt = block.prev_free_block, block.next_free_block
+        for block in self._picker(take)[:take]:
+            prev = block.prev_free_block
+            if prev is None or mark[block.block_id] or block.block_hash is None:
+                continue  # not a queued NORMAL block, or named twice (out while picking)
+            nxt = block.next_free_block
             prev.next_free_block = nxt
             nxt.prev_free_block = prev
-            block.prev_free_block = None  # out while picking: the picker cannot name it twice
+            block.prev_free_block = None
             picked.append(block)
+        head = self._normal_head
         after = head.next_free_block
         prev = head
         for block in picked:
@@ -377,6 +378,21 @@ class SegmentedFreeBlockQueue:
             prev = block
         prev.next_free_block = after
         after.prev_free_block = prev
+
+    def normal_lru(self) -> Iterator[Block]:
+        """The NORMAL blocks, least recently used first (a picker's reading of LRU's order)."""
+        node = self._normal_head.next_free_block
+        while not isinstance(node, _Sentinel):
+            yield node
+            node = node.next_free_block
+
+    def is_normal(self, block: Block) -> bool:
+        """Whether the block is queued in NORMAL (``segment_of`` without the enum, for loops)."""
+        return (
+            block.prev_free_block is not None
+            and not self._mark[block.block_id]
+            and block.block_hash is not None
+        )
 
     # -- release ------------------------------------------------------------------------------
     def release(self, block: Block) -> ReleaseResult:

@@ -31,12 +31,14 @@ stays the session's in the record, since a later prompt can still hit it.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Literal
+
+import numpy as np
 
 from .compaction import owner_of
 
@@ -47,18 +49,17 @@ SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
 HOLE = -1
 
 
-def _common_prefix(a: array[int], b: array[int], n: int, chunk: int = 256) -> int:
-    """The length of the longest common prefix of ``a[:n]`` and ``b[:n]``: slices compared in C,
-    a Python step per element only inside the first chunk that differs."""
-    start = 0
-    while start < n:
-        end = min(start + chunk, n)
-        if a[start:end] != b[start:end]:
-            while a[start] == b[start]:
-                start += 1
-            return start
-        start = end
-    return n
+#: ``_first_holder`` marks: no record has held the block's content; its first holder's owner
+#: left the table (another session, as far as a new holder is concerned).
+_NOBODY, _GONE = -1, -2
+#: Up to this many blocks, a hold or unbind goes block by block (numpy's set-up costs more).
+_FEW = 24
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the longest common prefix of two equally long arrays."""
+    differ = np.flatnonzero(a != b)
+    return int(differ[0]) if differ.size else len(a)
 
 
 @dataclass(slots=True)
@@ -83,25 +84,42 @@ class ReleaseSelection:
 
 
 class SessionBlocks:
-    """Bounded session → latest-request blocks table with a holder count per block."""
+    """Bounded session → latest-request blocks table with a holder count per block.
 
-    def __init__(self, max_sessions: int = 100_000) -> None:
+    The per-block state lives in flat arrays indexed by block id (vLLM's ids are dense, fixed
+    at start-up: ``capacity``, grown on demand past it), so a request's blocks are held, let go
+    and checked in a few vectorised steps (numpy views of the arrays) rather than a Python step
+    per block: at GPU scale a request brings thousands. Per block of the pool: 13 bytes."""
+
+    def __init__(self, max_sessions: int = 100_000, capacity: int = 0) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self.latest: OrderedDict[str, SessionRecord] = OrderedDict()
-        self._holders: dict[int, int] = {}  # block id → records holding its current content
-        self._generation: dict[int, int] = {}  # block id → times reused for new content
-        self._first_holder: dict[int, str] = {}  # block id → first session to hold its content
-        self._shared: set[int] = set()  # blocks whose content a second session has held
+        self._holders = array("i")  # block id → records holding its current content
+        self._generation = array("I")  # block id → times reused for new content
+        self._first_holder = array("i")  # block id → owner index of its first holder
+        self._shared = bytearray()  # block id → 1 when a second session held its content
+        self._owner_index: dict[str, int] = {}
+        self._owners: list[str] = []
         self._max_sessions = max_sessions
         self.bindings = 0  # (session, block) pairs held: the sum of the holder counts
         self.evicted = 0
+        #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
+        self.few = _FEW
+        self._ensure(capacity)
 
     def __len__(self) -> int:
         return len(self.latest)
 
     def holders(self, block_id: int) -> int:
-        return self._holders.get(block_id, 0)
+        return self._holders[block_id] if 0 <= block_id < len(self._holders) else 0
+
+    @property
+    def block_state_bytes(self) -> int:
+        """What the per-block arrays and the owner names take."""
+        arrays = (self._holders, self._generation, self._first_holder)
+        size = sum(a.itemsize * len(a) for a in arrays) + len(self._shared)
+        return size + sys.getsizeof(self._owner_index) + sys.getsizeof(self._owners)
 
     def record(
         self, session: str, block_ids: Sequence[int], num_prompt_tokens: int, request_id: str = ""
@@ -111,31 +129,28 @@ class SessionBlocks:
         have been reused) costs only its new blocks. ``HOLE`` marks an index without a block;
         where the same running request held one there before, the record keeps it (see the
         module's docstring)."""
+        ids = self._as_ids(block_ids)
         old = self.latest.get(session)
+        running = old is not None and old.request_id is not None and old.request_id == request_id
+        if running and (ids == HOLE).any():  # a full-attention table never has one
+            assert old is not None
+            ids = self._kept_where_dropped(old, ids)
         if (
-            old is not None
-            and old.request_id is not None
-            and old.request_id == request_id
-            and HOLE in block_ids  # a full-attention table never has one: no Python loop
-        ):
-            block_ids = self._kept_where_dropped(old, block_ids)
-        if (
-            old is not None
-            and old.request_id is not None
-            and old.request_id == request_id
+            running
+            and old is not None
             and old.held == len(old.block_ids)
-            and len(block_ids) >= old.held
-            and old.block_ids == array("i", block_ids[: old.held])
+            and len(ids) >= old.held
+            and np.array_equal(np.frombuffer(old.block_ids, np.int32), ids[: old.held])
         ):
-            self._hold(session, old, block_ids[old.held :])
+            self._hold(session, old, ids[old.held :])
             old.num_prompt_tokens = num_prompt_tokens
             self.latest.move_to_end(session)
             return
         new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
-        kept = 0 if old is None else self._carried_over(old, block_ids)
+        kept = 0 if old is None else self._carried_over(old, ids)
         if old is not None and kept:  # the shared prefix moves over as it is (counts unchanged)
             new.block_ids, new.generations = old.block_ids[:kept], old.generations[:kept]
-        self._hold(session, new, block_ids[kept:])
+        self._hold(session, new, ids[kept:])
         if old is not None:
             self._let_go(old, kept)
         self.latest[session] = new
@@ -145,20 +160,19 @@ class SessionBlocks:
             self._let_go(evicted, 0)
             self.evicted += 1
 
-    def _carried_over(self, old: SessionRecord, block_ids: Sequence[int]) -> int:
+    def _carried_over(self, old: SessionRecord, ids: np.ndarray) -> int:
         """How many leading entries of ``old`` the new record holds as they are: the same block
         at each index, its content unchanged since ``old`` recorded it. A session's next
-        request mostly starts with its last one's blocks: found by comparing arrays (C loops),
-        not by letting go of and holding again every block in Python."""
-        n = min(old.held, len(block_ids))
+        request mostly starts with its last one's blocks: found by comparing arrays, not by
+        letting go of and holding again every block."""
+        n = min(old.held, len(ids))
         if n == 0:
             return 0
-        ids = array("i", block_ids[:n])
-        same = _common_prefix(old.block_ids, ids, n)
+        same = _first_difference(np.frombuffer(old.block_ids, np.int32)[:n], ids[:n])
         if same == 0:
             return 0
-        now = array("I", map(self._generation.get, ids[:same], repeat(0)))
-        return _common_prefix(old.generations, now, same)
+        now = self._generations_of(ids[:same])
+        return _first_difference(np.frombuffer(old.generations, np.uint32)[:same], now)
 
     def grow(
         self, session: str, request_id: str, held: int, new_ids: Sequence[int], prompt: int
@@ -177,20 +191,20 @@ class SessionBlocks:
             or len(old.block_ids) != held
         ):
             return False
-        self._hold(session, old, new_ids)
+        self._hold(session, old, self._as_ids(new_ids))
         old.num_prompt_tokens = prompt
         self.latest.move_to_end(session)
         return True
 
-    def _kept_where_dropped(self, old: SessionRecord, block_ids: Sequence[int]) -> list[int]:
-        """``block_ids`` with each hole the running request had a block at (still unreused)
-        filled with that block."""
-        merged = list(block_ids)
-        generation = self._generation
-        for i in range(min(old.held, len(merged))):
-            kept = old.block_ids[i]
-            if merged[i] == HOLE and kept != HOLE and generation.get(kept, 0) == old.generations[i]:
-                merged[i] = kept
+    def _kept_where_dropped(self, old: SessionRecord, ids: np.ndarray) -> np.ndarray:
+        """``ids`` with each hole the running request had a block at (still unreused) filled
+        with that block."""
+        merged = ids.copy()
+        n = min(old.held, len(merged))
+        before = np.frombuffer(old.block_ids, np.int32)[:n]
+        dropped = (merged[:n] == HOLE) & (before != HOLE)
+        dropped &= self._generations_of(before) == np.frombuffer(old.generations, np.uint32)[:n]
+        merged[:n][dropped] = before[dropped]
         return merged
 
     def request_finished(self, session: str, request_id: str) -> None:
@@ -216,32 +230,48 @@ class SessionBlocks:
         if record is not None:
             self._let_go(record, 0)
 
-    def unbind(self, block_ids: Iterable[int]) -> None:
+    def unbind(self, block_ids: Sequence[int]) -> None:
         """These blocks are being reused for new content: no record holds them any more."""
-        # Only a block whose current content some record held (``_first_holder``: set by every
-        # hold, dropped only here) can have a record entry still valid: the others' entries are
-        # stale already, and a fresh block from vLLM's free list costs one set operation.
-        first_holder = self._first_holder
-        touched = first_holder.keys() & block_ids if first_holder else ()
-        if not touched:
+        if len(block_ids) <= self.few:
+            self._unbind_few(block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids)
             return
-        generation, holders = self._generation, self._holders
-        for block_id in touched:
-            generation[block_id] = generation.get(block_id, 0) + 1
-            self.bindings -= holders.pop(block_id, 0)
-            del first_holder[block_id]
-        self._shared.difference_update(touched)
+        ids = np.asarray(block_ids, np.int32)
+        ids = ids[(ids >= 0) & (ids < len(self._holders))]
+        # Only a block whose current content some record held (a first holder: set by every
+        # hold, cleared only here) can have a record entry still valid: the others' entries
+        # are stale already, and a fresh block from vLLM's free list changes nothing.
+        touched = ids[np.frombuffer(self._first_holder, np.int32)[ids] != _NOBODY]
+        if not touched.size:
+            return
+        holders = np.frombuffer(self._holders, np.int32)
+        np.frombuffer(self._generation, np.uint32)[touched] += 1
+        self.bindings -= int(holders[touched].sum())
+        holders[touched] = 0
+        np.frombuffer(self._first_holder, np.int32)[touched] = _NOBODY
+        np.frombuffer(self._shared, np.uint8)[touched] = 0
+
+    def _unbind_few(self, block_ids: Sequence[int]) -> None:
+        """``unbind`` block by block."""
+        first, size = self._first_holder, len(self._first_holder)
+        for block_id in block_ids:
+            if 0 <= block_id < size and first[block_id] != _NOBODY:
+                self._generation[block_id] += 1
+                self.bindings -= self._holders[block_id]
+                self._holders[block_id] = 0
+                first[block_id] = _NOBODY
+                self._shared[block_id] = 0
 
     def sole_holder(self, block_id: int) -> str | None:
         """The session whose record alone holds the block's content and no other session
         ever held (side branches count as their session); ``None`` otherwise."""
-        if self._holders.get(block_id, 0) != 1 or block_id in self._shared:
+        if block_id >= len(self._holders) or self._holders[block_id] != 1:
             return None
-        return self._first_holder.get(block_id)
+        first = self._first_holder[block_id]
+        return None if self._shared[block_id] or first < 0 else self._owners[first]
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
-        return block_id in self._shared
+        return 0 <= block_id < len(self._shared) and bool(self._shared[block_id])
 
     def select_release(self, session: str, first_block: int) -> ReleaseSelection:
         """Blocks to release for ``session`` from block index ``first_block`` of its latest
@@ -261,38 +291,29 @@ class SessionBlocks:
             return ReleaseSelection(status="unknown_session")
         if record.request_id is not None:
             return ReleaseSelection(status="running")
-        own: list[int] = []
-        shared = 0
-        for block_id, alone in self._tail_first(record):
-            if alone:
-                own.append(block_id)
-            else:
-                shared += 1
-        return ReleaseSelection(own, shared)
+        ids, live = self._live(record, 0, record.held)
+        alone = self._alone(ids)
+        own = ids[live & alone][::-1].tolist()
+        return ReleaseSelection(own, int((live & ~alone).sum()))
 
-    def own_tail_first(self, session: str) -> Iterator[int]:
-        """``select_idle``'s blocks, lazily: a caller that needs the first few of a long record
-        (the predicted-return picker) reads only those."""
+    def own_tail_first(self, session: str, chunk: int = 256) -> Iterator[int]:
+        """``select_idle``'s blocks, lazily, a chunk at a time: a caller that needs the first
+        few of a long record (the predicted-return picker) reads only those."""
         record = self.latest.get(session)
-        if record is not None and record.request_id is None:
-            yield from (block_id for block_id, alone in self._tail_first(record) if alone)
-
-    def _tail_first(self, record: SessionRecord) -> Iterator[tuple[int, bool]]:
-        """The record's blocks still holding its content, tail first, each with whether the
-        record alone holds it and no other session ever did."""
-        holders, generation, shared_blocks = self._holders, self._generation, self._shared
-        ids, generations = record.block_ids, record.generations
+        if record is None or record.request_id is not None:
+            return
+        ids, generations, generation = record.block_ids, record.generations, self._generation
         held = record.held
         while held and (
-            ids[held - 1] == HOLE or generation.get(ids[held - 1], 0) != generations[held - 1]
+            ids[held - 1] == HOLE or generation[ids[held - 1]] != generations[held - 1]
         ):
             held -= 1  # a tail that holds nothing any more (reused: never again) is cut off
         record.held = held  # the picker walks this tail once per pop: no re-walk of the cut
-        for i in reversed(range(held)):
-            block_id = ids[i]
-            if block_id == HOLE or generation.get(block_id, 0) != generations[i]:
-                continue  # no block here, or reused since
-            yield block_id, holders.get(block_id, 0) == 1 and block_id not in shared_blocks
+        for end in range(held, 0, -chunk):
+            part, live = self._live(record, max(0, end - chunk), end)
+            batch = part[live & self._alone(part)][::-1].tolist()
+            del part, live  # no view of the record outlives a step: the record may grow
+            yield from batch
 
     def unreused(self, session: str, first_block: int) -> list[int]:
         """The blocks of ``session``'s latest request from ``first_block`` on that still hold the
@@ -300,73 +321,142 @@ class SessionBlocks:
         record = self.latest.get(session)
         if record is None:
             return []
-        generation = self._generation
-        return [
-            block_id
-            for i, block_id in enumerate(record.block_ids[first_block:], first_block)
-            if block_id != HOLE and generation.get(block_id, 0) == record.generations[i]
-        ]
+        ids, live = self._live(record, first_block, len(record.block_ids))
+        return list(ids[live].tolist())
 
     # -- internals ----------------------------------------------------------------------------
-    def _hold(self, session: str, record: SessionRecord, block_ids: Sequence[int]) -> None:
-        holders, generation, first_holder = self._holders, self._generation, self._first_holder
-        owner = owner_of(session)  # a side branch shares its own session's blocks freely
-        bound = 0
-        for block_id in block_ids:
+    def _ensure(self, size: int) -> None:
+        """Room for block ids below ``size`` (at least doubling: amortised)."""
+        have = len(self._holders)
+        if size <= have:
+            return
+        extra = max(size - have, have)
+        self._holders.frombytes(bytes(4 * extra))
+        self._generation.frombytes(bytes(4 * extra))
+        self._first_holder.frombytes(array("i", [_NOBODY]).tobytes() * extra)
+        self._shared.extend(bytes(extra))
+
+    def _as_ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Block ids as an int32 array, the per-block arrays large enough for them."""
+        ids = np.asarray(block_ids, np.int32)
+        if ids.size:
+            self._ensure(int(ids.max()) + 1)
+        return ids
+
+    def _generations_of(self, ids: np.ndarray) -> np.ndarray:
+        """The blocks' generations now (0 at a ``HOLE``)."""
+        generation = np.frombuffer(self._generation, np.uint32)
+        return np.where(ids != HOLE, generation[np.maximum(ids, 0)], 0).astype(np.uint32)
+
+    def _live(self, record: SessionRecord, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The record's ids in ``[start, end)`` (a copy) and which of them still hold the
+        content it recorded."""
+        ids = np.frombuffer(record.block_ids, np.int32)[start:end].copy()
+        recorded = np.frombuffer(record.generations, np.uint32)[start:end]
+        return ids, (ids != HOLE) & (self._generations_of(ids) == recorded)
+
+    def _alone(self, ids: np.ndarray) -> np.ndarray:
+        """Which blocks one record alone holds and no other session ever did."""
+        safe = np.maximum(ids, 0)
+        holders = np.frombuffer(self._holders, np.int32)[safe]
+        alone: np.ndarray = (holders == 1) & (np.frombuffer(self._shared, np.uint8)[safe] == 0)
+        return alone
+
+    def _owner(self, session: str) -> int:
+        """The index of ``session``'s owner (a side branch shares its own session's blocks)."""
+        owner = owner_of(session)
+        index = self._owner_index.get(owner)
+        if index is None:
+            if len(self._owners) >= 2 * self._max_sessions + 1024:
+                self._forget_owners()
+            index = self._owner_index[owner] = len(self._owners)
+            self._owners.append(owner)
+        return index
+
+    def _forget_owners(self) -> None:
+        """Keep the owner names of the sessions in the table; blocks first held by the others
+        keep a mark that matches no owner (``_GONE``: another session held them)."""
+        keep = list(dict.fromkeys(owner_of(session) for session in self.latest))
+        remap = np.full(len(self._owners), _GONE, np.int32)
+        for new, owner in enumerate(keep):
+            remap[self._owner_index[owner]] = new
+        first = np.frombuffer(self._first_holder, np.int32)
+        known = first >= 0
+        first[known] = remap[first[known]]
+        self._owners = keep
+        self._owner_index = {owner: i for i, owner in enumerate(keep)}
+
+    def _hold(self, session: str, record: SessionRecord, ids: np.ndarray) -> None:
+        owner = self._owner(session)
+        if ids.size <= self.few:  # a decode step's block: a few Python steps beat numpy's set-up
+            self._hold_few(owner, record, ids.tolist())
+        else:
+            generations = self._generations_of(ids)
+            record.block_ids.frombytes(ids.astype(np.int32).tobytes())
+            record.generations.frombytes(generations.tobytes())
+            held = ids[ids != HOLE]
+            np.frombuffer(self._holders, np.int32)[held] += 1
+            first = np.frombuffer(self._first_holder, np.int32)
+            was = first[held]
+            fresh = was == _NOBODY
+            first[held[fresh]] = owner
+            np.frombuffer(self._shared, np.uint8)[held[~fresh & (was != owner)]] = 1
+            self.bindings += int(held.size)
+        record.held = len(record.block_ids)
+
+    def _hold_few(self, owner: int, record: SessionRecord, ids: list[int]) -> None:
+        """``_hold`` block by block."""
+        holders, generation, first, shared = (
+            self._holders, self._generation, self._first_holder, self._shared
+        )  # fmt: skip
+        for block_id in ids:
             record.block_ids.append(block_id)
             if block_id == HOLE:
                 record.generations.append(0)
                 continue
-            bound += 1
-            record.generations.append(generation.get(block_id, 0))
-            holders[block_id] = holders.get(block_id, 0) + 1
-            if first_holder.setdefault(block_id, owner) != owner:
-                self._shared.add(block_id)
-        record.held = len(record.block_ids)
-        self.bindings += bound
+            record.generations.append(generation[block_id])
+            holders[block_id] += 1
+            was = first[block_id]
+            if was == _NOBODY:
+                first[block_id] = owner
+            elif was != owner:
+                shared[block_id] = 1
+            self.bindings += 1
 
     def _let_go(self, record: SessionRecord, first: int) -> tuple[list[int], int]:
         """The record stops holding its blocks from index ``first`` on; returns the blocks no
         record holds any more and no other session has held, and how many are kept for others."""
         released: list[int] = []
         kept = 0
-        holders, generation, shared = self._holders, self._generation, self._shared
-        for i in range(first, record.held):
-            block_id = record.block_ids[i]
-            if block_id == HOLE or generation.get(block_id, 0) != record.generations[i]:
-                continue  # no block, or reused since: this record does not hold the new content
-            count = holders.get(block_id, 0) - 1
-            self.bindings -= 1
-            if count > 0:
-                holders[block_id] = count
-                kept += 1
-            else:
-                holders.pop(block_id, None)
-                if block_id in shared:
-                    kept += 1
-                else:
-                    released.append(block_id)
+        if first < record.held:
+            ids, live = self._live(record, first, record.held)
+            held = ids[live]  # not a hole, not reused since: this record holds their content
+            if held.size:
+                holders = np.frombuffer(self._holders, np.int32)
+                counts = holders[held] - 1
+                holders[held] = counts
+                self.bindings -= int(held.size)
+                gone = counts == 0
+                shared = np.frombuffer(self._shared, np.uint8)[held] != 0
+                kept = int((~gone).sum() + (gone & shared).sum())
+                released = held[gone & ~shared].tolist()
         record.held = min(record.held, first)
         return released, kept
 
     def check(self) -> list[str]:
         """Invariant violations (empty when consistent): every holder count equals the number
         of records holding the block's current content, and ``bindings`` is their sum."""
-        counts: dict[int, int] = {}
+        counts = np.zeros(len(self._holders), np.int64)
         for record in self.latest.values():
-            for i in range(record.held):
-                block_id = record.block_ids[i]
-                if block_id == HOLE:
-                    continue
-                if self._generation.get(block_id, 0) == record.generations[i]:
-                    counts[block_id] = counts.get(block_id, 0) + 1
+            ids, live = self._live(record, 0, record.held)
+            np.add.at(counts, ids[live], 1)
+        holders = np.frombuffer(self._holders, np.int32)
         problems = [
-            f"block {b}: {self._holders.get(b, 0)} holders counted, {counts.get(b, 0)} records"
-            for b in sorted(set(counts) | set(self._holders))
-            if counts.get(b, 0) != self._holders.get(b, 0)
+            f"block {b}: {holders[b]} holders counted, {counts[b]} records"
+            for b in np.flatnonzero(counts != holders).tolist()
         ]
-        if self.bindings != sum(counts.values()):
-            problems.append(f"bindings {self.bindings} != {sum(counts.values())} held")
+        if self.bindings != int(counts.sum()):
+            problems.append(f"bindings {self.bindings} != {int(counts.sum())} held")
         if len(self.latest) > self._max_sessions:
             problems.append(f"{len(self.latest)} sessions over the limit {self._max_sessions}")
         return problems
