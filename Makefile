@@ -86,7 +86,9 @@ $(OJ16): $(UV)
 	@touch $@
 
 # The coding agents the server must serve with no hook, as users install them (npm; three carry
-# native binaries, Qwen Code is JavaScript). Where npm cannot reach its registry the tests that drive them skip and say so.
+# native binaries, Qwen Code is JavaScript). Where npm cannot reach its registry (or lacks a
+# pinned version) this says so and the tests that drive them skip, on a developer's machine; with
+# CI set (.ci/run under CI=true) the install's failure fails the build, and so would the tests.
 CLAUDE_CODE := 2.1.328
 CODEX_CLI   := 0.169.0
 OPENCODE    := 1.18.33
@@ -102,6 +104,9 @@ $(AGENTS):
 	@if npm install --silent --no-audit --no-fund --prefix .cache/agents \
 	    @anthropic-ai/claude-code@$(CLAUDE_CODE) @openai/codex@$(CODEX_CLI) \
 	    opencode-ai@$(OPENCODE) @qwen-code/qwen-code@$(QWEN_CODE); then touch $@; \
+	elif [ -n "$$CI" ]; then \
+	    echo "npm could not install the coding agents (CI is set: failing, not skipping their tests)" >&2; \
+	    exit 1; \
 	else echo "npm could not install the coding agents: their tests will skip"; fi
 
 # The long-context test model the coding agents need (their first prompt is ~35k tokens).

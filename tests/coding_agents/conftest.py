@@ -64,11 +64,19 @@ def _agents_server() -> VLLMServer:
 agents_server = shared_server("agents_server", _agents_server)
 
 
+def missing(reason: str) -> None:
+    """Skip with ``reason`` on a developer's machine; fail with it in CI (``CI`` set, as
+    ``.ci/run`` runs), where a run that skipped every agent must not pass."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set: a missing agent fails the run)")
+    pytest.skip(reason)
+
+
 def installed(name: str) -> Path:
-    """The agent's binary, or a skip that says why it is missing."""
+    """The agent's binary, or a skip (a failure in CI) that says why it is missing."""
     path = BIN / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed in .cache/agents: npm could not reach its registry")
+        missing(f"{name} is not installed in .cache/agents: npm could not reach its registry")
     return path
 
 

@@ -27,6 +27,7 @@ from .conftest import (
     Delta,
     InteractiveQwenCode,
     installed,
+    missing,
     quiet,
 )
 from .scripted_answers import script
@@ -49,7 +50,7 @@ def test_aider_turns_are_one_conversation_and_only_its_dropped_reminder_is_relea
     agents_server: VLLMServer, watch: Callable[[], Delta], tmp_path: Path
 ) -> None:
     if not AIDER.exists():
-        pytest.skip("aider is not installed in .venv-aider: `make test` installs it")
+        missing("aider is not installed in .venv-aider: `make test` installs it")
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     home.mkdir()
