@@ -1,8 +1,9 @@
 """The plugin's engine cost at GPU scale, on CPU: vLLM's real ``KVCacheManager`` / ``BlockPool``
 (no model) with GPU-sized pools (blocks of 16 tokens), driven as the scheduler drives them for
-agent traffic: per request, the session's window looked up, allocated in prefill chunks, decoded
-token by token, freed; sessions grow turn by turn, compact (the window back to the system prompt
-and a summary), and end (an idle signal) while new ones start.
+agent traffic: per request, the session's window looked up, allocated in prefill chunks (the
+block ids read as the scheduler reads them for its output), decoded token by token, freed;
+sessions grow turn by turn, compact (the window back to the system prompt and a summary), and
+end (an idle signal) while new ones start.
 
 Vanilla and the plugin run in one process, rounds alternating: the vanilla manager's pool is
 built with the plugin's ``BlockPool.__init__`` wrapper set aside, so it carries no plugin state
@@ -168,16 +169,21 @@ class Side:
             step = min(CHUNK, request.num_tokens - done)
             if first:
                 blocks = kv.allocate_slots(request, step, hit, computed)
-                first = False
             else:
                 blocks = kv.allocate_slots(request, step)
             if blocks is None:
                 raise RuntimeError(f"{self.name}: the pool is too small for one request")
+            # the scheduler's output: a new request's every block id, a running one's new ones
+            if first:
+                kv.get_blocks(request.request_id).get_block_ids()
+                first = False
+            else:
+                blocks.get_block_ids(allow_none=True)
             done += step
             request.num_computed_tokens = done
         for _ in range(DECODE):
             request.append_output_token_ids(7)
-            kv.allocate_slots(request, 1)
+            kv.allocate_slots(request, 1).get_block_ids(allow_none=True)
             request.num_computed_tokens += 1
         kv.free(request)
         self.seconds.append(time.perf_counter() - start)

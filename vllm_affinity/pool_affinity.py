@@ -10,6 +10,7 @@ process boundary.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -618,56 +619,50 @@ class PoolAffinity:
         that session is due back before the victim's (``swap_for``)."""
         assert self.returns is not None
         due_of = self.returns.due
-        tables = self.tables
-        sole = tables[0].sole_holder if len(tables) == 1 else self._sole_holder
+        lru = list(itertools.islice(self.queue.normal_lru(), take))
+        spared = self._sole_holders([block.block_id for block in lru])
         dues: dict[str, float] = {}  # each spared session's due (no change during a pop)
         inf = float("inf")
+        is_normal = self.queue.is_normal
         picked: list[Any] = []
         taken: set[int] = set()
         victims: Iterator[tuple[float, Any]] | None = None
-        peeked: tuple[float, Any] | None = None
+        item: tuple[float, Any] | None = None  # the next candidate, kept until it is taken
         swapped = 0
-        lru_order = self.queue.normal_lru()
-        is_normal = self.queue.is_normal
-        for lru in lru_order:
-            if len(picked) == take:
-                break
-            while lru.block_id not in taken:  # LRU's victim stays until it is taken itself
-                spared = sole(lru.block_id)
-                if spared is None:
-                    spared_due = inf
-                elif (spared_due := dues.get(spared)) is None:  # type: ignore[assignment]
-                    spared_due = dues[spared] = due_of(spared)
-                item = None
-                if spared_due != inf:  # gone or not known: no swap (``swap_for``), no stream
-                    if victims is None:
-                        victims = self._victim_stream()
-                    item = peeked or next(victims, None)
-                    while item is not None and (
-                        item[1].block_id in taken or not is_normal(item[1])
-                    ):
-                        item = next(victims, None)  # taken by this pop already
-                    peeked = item
-                if item is None or not swap_for(item[0], spared_due):
-                    item = (0.0, lru)
-                else:
-                    peeked = None
-                    swapped += item[1] is not lru
-                picked.append(item[1])
-                taken.add(item[1].block_id)
+        for victim, owner in zip(lru, spared, strict=True):
+            while victim.block_id not in taken:  # LRU's victim stays until it is taken itself
                 if len(picked) == take:
                     break
+                if owner is None:
+                    due = inf
+                elif owner in dues:
+                    due = dues[owner]
+                else:
+                    due = dues[owner] = due_of(owner)
+                if due != inf:  # gone or not known: no swap (``swap_for``), no stream
+                    if victims is None:
+                        victims = self._victim_stream()
+                    while item is None or item[1].block_id in taken or not is_normal(item[1]):
+                        item = next(victims, None)
+                        if item is None:
+                            break
+                if due == inf or item is None or not swap_for(item[0], due):
+                    chosen = victim
+                else:
+                    chosen, item = item[1], None
+                    swapped += chosen is not victim
+                picked.append(chosen)
+                taken.add(chosen.block_id)
         if swapped:
             self.counters.add("blocks_predicted", swapped)
         return picked
 
-    def _sole_holder(self, block_id: int) -> str | None:
-        """The session alone holding the block in some group (``SessionBlocks.sole_holder``)."""
-        for table in self.tables:
-            spared = table.sole_holder(block_id)
-            if spared is not None:
-                return spared
-        return None
+    def _sole_holders(self, block_ids: list[int]) -> list[str | None]:
+        """Per block, the session alone holding it in some group (``sole_holders``)."""
+        found = self.tables[0].sole_holders(block_ids)
+        for table in self.tables[1:]:
+            found = [a or b for a, b in zip(found, table.sole_holders(block_ids), strict=True)]
+        return found
 
     def _victim_stream(self) -> Iterator[tuple[float, Any]]:
         """(due, block): the candidates' own live blocks, the session due back last first,

@@ -437,8 +437,10 @@ def test_same_order_as_vllm_queue_without_releases(sequence: list[tuple[str, int
             else:
                 vanilla.prepend_n([vanilla_blocks[i] for i in chosen])
                 ours.prepend_n([ours_blocks[i] for i in chosen])
-        elif op == "remove" and vanilla.num_free_blocks:
-            victim = vanilla.get_all_free_blocks()[k % vanilla.num_free_blocks].block_id
+        elif op == "remove" and any(b.block_hash for b in ours.get_all_free_blocks()):
+            # a prefix hit: only a cached block (BlockPool never removes one without a hash)
+            cached = [b.block_id for b in ours.get_all_free_blocks() if b.block_hash]
+            victim = cached[k % len(cached)]
             vanilla.remove(vanilla_blocks[victim])
             ours.remove(ours_blocks[victim])
             out.append(victim)

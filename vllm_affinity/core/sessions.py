@@ -269,6 +269,21 @@ class SessionBlocks:
         first = self._first_holder[block_id]
         return None if self._shared[block_id] or first < 0 else self._owners[first]
 
+    def sole_holders(self, block_ids: Sequence[int]) -> list[str | None]:
+        """``sole_holder`` of each block, at once."""
+        ids = np.asarray(block_ids, np.int32)
+        sole = ids < len(self._holders)  # beyond the arrays: held by nobody
+        ids = np.where(sole, ids, 0)
+        sole &= np.frombuffer(self._holders, np.int32)[ids] == 1
+        sole &= np.frombuffer(self._shared, np.uint8)[ids] == 0
+        first = np.frombuffer(self._first_holder, np.int32)[ids]
+        sole &= first >= 0
+        owners = self._owners
+        return [
+            owners[f] if alone else None
+            for f, alone in zip(first.tolist(), sole.tolist(), strict=True)
+        ]
+
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
         return 0 <= block_id < len(self._shared) and bool(self._shared[block_id])
