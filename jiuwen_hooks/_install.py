@@ -3,7 +3,7 @@ symmetric (the hook owns its patches; see ``Hook.install``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from . import _state
 from ._hook import Hook
@@ -19,7 +19,7 @@ def install(**options: Any) -> Hook:
     Calling it again returns the hook already installed. With ``enabled=False`` nothing is patched.
     """
     with _state.lock:
-        current = _state.installed()
+        current = installed()
         if current is not None:
             if options:
                 logger.warning(
@@ -43,7 +43,7 @@ def uninstall() -> None:
 
 def installed() -> Hook | None:
     """The hook ``install()`` put in place, or ``None``."""
-    return _state.installed()
+    return cast("Hook | None", _state.installed())
 
 
 def stats() -> dict[str, Any]:
