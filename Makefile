@@ -110,14 +110,14 @@ $(AGENTS):
 	else echo "npm could not install the coding agents: their tests will skip"; fi
 
 # The long-context test model the coding agents need (their first prompt is ~35k tokens).
-$(LONG_MODEL): $(SERVER) vllm_affinity/tiny_model.py
+$(LONG_MODEL): $(SERVER) vllm_affinity/testing/tiny_model.py
 	$(PY) -m vllm_affinity build-model --size long
 
 # The hybrid models (sliding window or linear attention beside full attention) the hybrid tests
 # serve: random weights, built once each (seconds; gpt-oss's 201k-token tokenizer the longest).
 HYBRID_ARCHS  := gpt-oss gemma3 qwen3-next
 HYBRID_MODELS := $(foreach arch,$(HYBRID_ARCHS),.cache/tiny-$(arch)/jiuwen-recipe.json)
-.cache/tiny-%/jiuwen-recipe.json: $(SERVER) vllm_affinity/tiny_model.py vllm_affinity/hybrid_model.py
+.cache/tiny-%/jiuwen-recipe.json: $(SERVER) vllm_affinity/testing/tiny_model.py vllm_affinity/testing/hybrid_model.py
 	$(PY) -m vllm_affinity build-model --arch $*
 
 # The next vLLM (the GPU users' version) is tested on its Python sources: its wheel, without
@@ -162,7 +162,7 @@ $(AI): $(UV)
 	@touch $@
 peer-agentinfer: $(AI)
 
-$(MODEL): $(SERVER) vllm_affinity/tiny_model.py
+$(MODEL): $(SERVER) vllm_affinity/testing/tiny_model.py
 	$(PY) -m vllm_affinity build-model
 
 model: $(MODEL)

@@ -45,7 +45,7 @@ from benchmarks.agent_trace import Call, TraceConfig, describe, generate
 from jiuwen_replay.output import write_outputs
 from jiuwen_replay.simulator import Request, gap_closed, simulate, working_set
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer
-from vllm_affinity.tiny_model import build as build_model
+from vllm_affinity.testing.tiny_model import build as build_model
 
 API_KEY = "bench"
 #: Worker cores of the vanilla and the plugin server: one each, so neither slows the other.

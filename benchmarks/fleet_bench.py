@@ -58,7 +58,7 @@ from jiuwen_replay.output import write_outputs
 from jiuwen_replay.simulator import Request, simulate, working_set
 from vllm_affinity.nginx import Policy
 from vllm_affinity.testing import BLOCK_SIZE, NginxRouter, VLLMServer, free_port
-from vllm_affinity.tiny_model import build as build_model
+from vllm_affinity.testing.tiny_model import build as build_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ On a sliding-window or linear-attention (Mamba) model, vLLM keeps those groups' 
 each prompt's end and at a prefix's second appearance, so the request that starts a compacted
 window, a second session's first call and a second subagent's first call recompute the
 instructions they share with earlier requests. The plugin keeps the state at the instructions'
-end from their first appearance (``vllm_affinity/checkpoints.py``).
+end from their first appearance (``vllm_affinity/engine/checkpoints.py``).
 
 Per model shape, three servers one after the other, each with the same pool: vanilla vLLM,
 vanilla with a retention interval (vLLM's own alternative: a state every N tokens), and the

@@ -27,11 +27,11 @@ import openai
 import jiuwen_hooks
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from jiuwen_replay.output import write_json
-from vllm_affinity.checkpoints import DENSE_KINDS
 from vllm_affinity.core import common_prefix_length
-from vllm_affinity.hybrid_model import build_hybrid
+from vllm_affinity.engine.checkpoints import DENSE_KINDS
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
-from vllm_affinity.tiny_model import build
+from vllm_affinity.testing.hybrid_model import build_hybrid
+from vllm_affinity.testing.tiny_model import build
 
 ARCHS = ("llama", "gpt-oss", "gemma3", "qwen3-next", "deepseek-v3")
 #: Measured by default: vLLM's CPU build serves ``deepseek-v3`` (MLA) with prefix caching off

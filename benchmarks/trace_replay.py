@@ -3,8 +3,8 @@
 For each trace (``--traces format=path,...``; ``agentinfer`` alone takes the installed package's
 trace), the prompts are rendered once by vLLM's own template to size the pools (fractions of
 the trace's working set, ``--pools``); then for each pool every scenario gets a fresh server of
-that size and replays the trace with ``jiuwen_replay`` (what ``vllm-affinity bench
-replay`` runs), the simulator beside it:
+that size and replays the trace with ``jiuwen_replay`` (what ``jiuwen-bench replay``
+runs), the simulator beside it:
 
 - ``vanilla``: vLLM without the plugin, no hook (simulator: LRU);
 - ``vanilla-hooked``: vLLM without the plugin, the hook installed (it finds no plugin;

@@ -184,7 +184,7 @@ def report(exporter: InMemorySpanExporter, engine: Any, server: Any, say: Any) -
 def start_vllm(stack: ExitStack, api_key: str, say: Any) -> Any:
     """Build the small model if needed and start vLLM (CPU) with the plugin; stopped on exit."""
     from vllm_affinity.testing import VLLMServer
-    from vllm_affinity.tiny_model import build
+    from vllm_affinity.testing.tiny_model import build
 
     say("Building the small local model (once) ...")
     model = build()

@@ -43,9 +43,9 @@ from benchmarks.agent_trace import TraceConfig, describe, generate
 from examples.compaction_agent import run_weather_agent
 from examples.otel_collector import OtlpCollector
 from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE
-from vllm_affinity.hybrid_model import build_hybrid
 from vllm_affinity.testing import BLOCK_SIZE, SERVED_NAME, VLLMServer, filler_window
-from vllm_affinity.tiny_model import build
+from vllm_affinity.testing.hybrid_model import build_hybrid
+from vllm_affinity.testing.tiny_model import build
 
 API_KEY = "demo-key"
 #: Per model: the pool's blocks and the longest prompt (a hybrid model's groups share the pool,

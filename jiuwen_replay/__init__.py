@@ -4,5 +4,6 @@ Layout: ``trace`` (the model every format is read into), ``formats`` (readers an
 ``prompts`` (block ids → chat windows), ``synthetic`` (a small trace made here), ``simulator``
 (the offline prefix-cache simulator), ``runner`` (one run against one server), ``compare``
 (sides in rounds, summaries, the simulator beside), ``report`` and ``output`` (files), ``cli``
-(``vllm-affinity bench``). Imports the hook and the plugin's pure core, never vLLM.
+(``jiuwen-bench``, ``python -m jiuwen_replay``). Imports the hook and the plugin's pure core,
+never vLLM.
 """

@@ -1,10 +1,10 @@
-"""``vllm-affinity bench replay`` and ``bench make-trace``: measure on your own deployment.
+"""``jiuwen-bench replay`` and ``jiuwen-bench make-trace``: measure on your own deployment.
 
-    vllm-affinity bench replay --format agentinfer --base-url http://gpu-host:8000/v1 \\
+    jiuwen-bench replay --format agentinfer --base-url http://gpu-host:8000/v1 \\
         --baseline-url http://gpu-host:8001/v1 --model Qwen/Qwen3-8B
-    vllm-affinity bench replay --trace mooncake.jsonl --format mooncake --limit 500 \\
+    jiuwen-bench replay --trace mooncake.jsonl --format mooncake --limit 500 \\
         --base-url http://127.0.0.1:8000/v1 --model tiny --scale 0.0625 --max-output-tokens 4
-    vllm-affinity bench make-trace --out trace.jsonl [--format agentx]
+    jiuwen-bench make-trace --out trace.jsonl [--format agentx]
 
 Against two URLs (``--baseline-url``: vanilla vLLM) the baseline runs without the hook and
 ``--base-url`` with it; against one URL the same server runs without and with the hook, each
@@ -37,7 +37,7 @@ def _positive(kind: type) -> object:
 
 def replay_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vllm-affinity bench replay",
+        prog="jiuwen-bench replay",
         description="Replay an agent trace against an OpenAI-compatible server through "
         "jiuwen_hooks, and compare with a baseline.",
     )
@@ -170,7 +170,7 @@ def write(result: dict, out: str, stem: str, plot: bool = True) -> None:
 
 def make_trace_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="vllm-affinity bench make-trace",
+        prog="jiuwen-bench make-trace",
         description="Write a small synthetic agent trace (leads, subagents, compactions).",
     )
     parser.add_argument("--out", required=True)
@@ -188,8 +188,8 @@ def make_trace_main(argv: list[str]) -> int:
     return 0
 
 
-USAGE = """usage: vllm-affinity bench replay --format F --base-url URL --model NAME [...]
-       vllm-affinity bench make-trace --out FILE [--format F]
+USAGE = """usage: jiuwen-bench replay --format F --base-url URL --model NAME [...]
+       jiuwen-bench make-trace --out FILE [--format F]
 (--help after either for its options)"""
 
 
@@ -200,3 +200,8 @@ def main(argv: list[str]) -> int:
         return make_trace_main(argv[1:])
     print(USAGE, file=sys.stderr)
     return 2
+
+
+def command() -> int:
+    """The ``jiuwen-bench`` console script."""
+    return main(sys.argv[1:])

@@ -9,7 +9,7 @@ group have ``block`` tokens, as on the shapes here):
   state at boundary ``b`` is its blocks ``b - window .. b - 1``; a Mamba state at ``b`` is one
   block. A request keeps states at its replay boundary (``(tokens - 1) // block``), at its
   junction (vanilla: where full attention hit further than the sparse groups; the plugin: also
-  its instructions' end, the later of the two, ``vllm_affinity/checkpoints.py``) and, with a
+  its instructions' end, the later of the two, ``vllm_affinity/engine/checkpoints.py``) and, with a
   retention interval, every ``interval`` blocks (sliding-window groups only, as vLLM 0.32).
 - **A hit** is the longest boundary, within the full-attention hit, at which every sparse
   group holds its state (0 is always one).

@@ -1,5 +1,5 @@
 """Where and how benchmark results are written, with what produced them (the benchmarks and
-``vllm-affinity bench replay`` alike)."""
+``jiuwen-bench replay`` alike)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ Starts vLLM's OpenAI-compatible server with both plugin halves enabled (``VLLM_P
     python -m vllm_affinity build-model --arch gpt-oss   # or gemma3, qwen3-next: hybrid models
     python -m vllm_affinity nginx-config --upstream 10.0.0.1:8000 --upstream 10.0.0.2:8000
                                                    # nginx routing sessions to replicas
-    python -m vllm_affinity bench replay --format F --base-url URL --model NAME [...]
-                                                   # replay an agent trace, with and without
-                                                   # the hook (also: vllm-affinity bench ...)
+
+Replaying agent traces is ``jiuwen-bench replay`` (``python -m jiuwen_replay``): a client of
+the hook and the server, above this package.
 """
 
 from __future__ import annotations
@@ -117,15 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
     if argv[:1] == ["build-model"]:
-        from .tiny_model import main as build_main
+        from .testing.build_model import main as build_main
 
         return build_main(argv[1:])
     if argv[:1] == ["nginx-config"]:
         return nginx_config(argv[1:])
     if argv[:1] == ["bench"]:
-        from jiuwen_replay.cli import main as bench_main
-
-        return bench_main(argv[1:])
+        print(
+            "`vllm-affinity bench` is now `jiuwen-bench` (python -m jiuwen_replay)", file=sys.stderr
+        )
+        return 2
     print(USAGE)
     return 2
 

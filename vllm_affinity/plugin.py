@@ -24,7 +24,7 @@ logger = logging.getLogger("vllm_affinity")
 
 def register() -> None:
     """General plugin: patch the engine (idempotent; also runs in the API server process)."""
-    from .engine import apply_engine_patches
+    from .engine.patches import apply_engine_patches
 
     apply_engine_patches()
 
@@ -41,7 +41,7 @@ class AffinityEndpoint:
         self._metrics: Any = None  # AffinityMetrics, once init_state ran
 
     def attach_router(self, app: Any) -> None:
-        from .route import attach
+        from .api_server.route import attach
 
         attach(app, self.settings, self._count_hint)
 
@@ -54,8 +54,8 @@ class AffinityEndpoint:
             return
         from vllm import envs
 
-        from .metrics import AffinityMetrics
-        from .release_service import ReleaseService
+        from .api_server.metrics import AffinityMetrics
+        from .api_server.release_service import ReleaseService
 
         config = engine_client.vllm_config
         tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]

@@ -91,7 +91,7 @@ def test_the_picker_is_off_on_a_hybrid_model_unless_forced() -> None:
     """``VLLM_AFFINITY_PREDICT_RETURN=auto`` (the default): the predicted-return picker runs on a
     model with one KV-cache group and leaves a hybrid model's pool to LRU's order (a
     gpt-oss-shaped replay computed one block more than vanilla with it); ``true`` forces it."""
-    from vllm_affinity.pool_affinity import PoolAffinity
+    from vllm_affinity.engine.pool_affinity import PoolAffinity
     from vllm_affinity.settings import Settings
 
     assert state_of(make_manager(8)).stats().predict_return
@@ -343,7 +343,7 @@ def scheduled(manager: Any, request: Any) -> int:
 
 
 def with_instructions(prompt: list[int], session: str, instructions: int | None) -> Any:
-    from vllm_affinity.checkpoints import CHECKPOINT_KEY
+    from vllm_affinity.engine.checkpoints import CHECKPOINT_KEY
 
     extra = {CHECKPOINT_KEY: instructions} if instructions else None
     params = SamplingParams(max_tokens=4, extra_args=extra)
@@ -401,7 +401,7 @@ def test_a_later_turn_keeps_the_checkpoint_it_shares_recent() -> None:
 
 
 def test_a_one_group_model_has_no_checkpoints_and_a_setting_turns_them_off() -> None:
-    from vllm_affinity.pool_affinity import PoolAffinity
+    from vllm_affinity.engine.pool_affinity import PoolAffinity
     from vllm_affinity.settings import Settings
 
     assert state_of(make_manager(16)).checkpoints is None

@@ -17,6 +17,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
+from vllm_affinity.api_server.lifecycle import IdleSignals, finish_reasons, watched
 from vllm_affinity.core.lifecycle import (
     TASK_OVER_S,
     NextUseError,
@@ -24,7 +25,6 @@ from vllm_affinity.core.lifecycle import (
     goes_idle,
     parse_next_use,
 )
-from vllm_affinity.lifecycle import IdleSignals, finish_reasons, watched
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""The request's path (``vllm_affinity/request_path.py``): its steps in order, each alone, on
-vLLM's own request class. The whole path runs in every real-server test."""
+"""The request's path (``vllm_affinity/api_server/request_path.py``): its steps in order, each
+alone, on vLLM's own request class. The whole path runs in every real-server test."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER, PARENT_HEADER
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
-from vllm_affinity import engine, request_path
-from vllm_affinity.agent_windows import EngineWindows, LocalWindows
+from vllm_affinity.api_server import request_path
+from vllm_affinity.api_server.agent_windows import EngineWindows, LocalWindows
+from vllm_affinity.api_server.implicit_sessions import AnswerRecords, EngineChains, LocalChains
+from vllm_affinity.api_server.metrics import AffinityMetrics
+from vllm_affinity.api_server.request_path import STEPS, Refusal, RequestPath, finish
 from vllm_affinity.core.compaction import Window
-from vllm_affinity.engine import HINT_KEY, PARENT_KEY
-from vllm_affinity.implicit_sessions import AnswerRecords, EngineChains, LocalChains
-from vllm_affinity.metrics import AffinityMetrics
-from vllm_affinity.request_path import STEPS, Refusal, RequestPath, finish
+from vllm_affinity.engine import HINT_KEY, PARENT_KEY, patches
 from vllm_affinity.settings import Settings
 
 
@@ -98,7 +98,7 @@ def test_a_malformed_hint_is_refused_and_counted_once_the_refusal_is_answered() 
 def _engine_windows(engine_core: Any) -> EngineWindows:
     """The rule judged by the engine utility itself, its arguments through vLLM's own msgpack
     encoder and decoder, as a utility call's travel."""
-    utility = engine._make_classify_window(max_sessions=100)
+    utility = patches._make_classify_window(max_sessions=100)
 
     async def call_engine(session: str, method: str, *args: Any) -> Any:
         assert method == "affinity_classify_window"
@@ -154,7 +154,7 @@ def test_an_engine_that_cannot_judge_leaves_the_request_unjudged(
 def _engine_chains(engine_core: Any) -> EngineChains:
     """The implicit sessions' table in the engine utilities themselves, their arguments through
     vLLM's own msgpack encoder and decoder."""
-    chain_of, record = engine._make_chain_utilities(max_sessions=100)
+    chain_of, record = patches._make_chain_utilities(max_sessions=100)
     utilities = {"affinity_chain_of": chain_of, "affinity_record_answer": record}
 
     async def call_engine(key: str, method: str, *args: Any) -> Any:
@@ -264,7 +264,7 @@ def test_instructions_key_names_the_instructions_whatever_follows() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    from vllm_affinity.instructions import instructions_key
+    from vllm_affinity.api_server.instructions import instructions_key
 
     tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
 

@@ -11,10 +11,10 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from jiuwen_kv_protocol.models import ReleaseRequest
+from vllm_affinity.api_server.release_service import _keeps_only_instructions
+from vllm_affinity.api_server.request_path import apply_cache_sharing, apply_release_hint
 from vllm_affinity.core import HintError, ReleaseHint, engine_rank
 from vllm_affinity.engine import HINT_KEY
-from vllm_affinity.release_service import _keeps_only_instructions
-from vllm_affinity.request_path import apply_cache_sharing, apply_release_hint
 from vllm_affinity.settings import Settings
 
 
@@ -213,8 +213,12 @@ def test_a_cut_that_keeps_only_the_instructions_is_told(
 def test_qwen_code_request_metadata_names_the_session_and_the_request_kind() -> None:
     """Qwen Code's body ``metadata`` on vLLM's own request class (an extra field there): the
     session when no header names one, before ``prompt_cache_key``; its ``promptId`` kind."""
-    from vllm_affinity.agent_windows import agent_window_of, is_agent_request, qwen_code_metadata
-    from vllm_affinity.request_path import apply_session_headers
+    from vllm_affinity.api_server.agent_windows import (
+        agent_window_of,
+        is_agent_request,
+        qwen_code_metadata,
+    )
+    from vllm_affinity.api_server.request_path import apply_session_headers
 
     def request(metadata: object) -> ChatCompletionRequest:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -243,7 +247,7 @@ def test_a_responses_window_digests_the_same_every_turn() -> None:
     be the last window plus new items (an ``append``), not a rewrite."""
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    from vllm_affinity.agent_windows import window_of
+    from vllm_affinity.api_server.agent_windows import window_of
     from vllm_affinity.core.compaction import CompactionRule
 
     def item(role: str, text: str) -> dict:

@@ -1,9 +1,9 @@
-"""The benchmark pipeline tests' own shared server (see ``vllm_affinity.pytest_plugin``)."""
+"""The benchmark pipeline tests' own shared server (see ``vllm_affinity.testing.pytest_plugin``)."""
 
 from __future__ import annotations
 
-from vllm_affinity.pytest_plugin import API_KEY, shared_server
 from vllm_affinity.testing import VLLMServer
+from vllm_affinity.testing.pytest_plugin import API_KEY, shared_server
 
 
 def _empty_plugin_server() -> VLLMServer:

@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from vllm_affinity.core.compaction import VERDICTS
-from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
-from vllm_affinity.tiny_model import build
+from vllm_affinity.testing.pytest_plugin import shared_server
+from vllm_affinity.testing.tiny_model import build
 
 from .scripted_answers import FILE_ENV as SCRIPTED_ANSWERS_ENV
 from .scripted_answers import FQCN as SCRIPTED_ANSWERS_FQCN

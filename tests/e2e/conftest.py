@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from examples.otel_collector import OtlpCollector
-from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import VLLMServer
+from vllm_affinity.testing.pytest_plugin import shared_server
 
 
 @functools.cache

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 import jiuwen_hooks
-from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text, wait_until
+from vllm_affinity.testing.pytest_plugin import shared_server
 
 pytestmark = pytest.mark.e2e
 

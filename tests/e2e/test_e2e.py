@@ -1,5 +1,5 @@
 """End to end against real vLLM servers (CPU build, the small local model): one with the plugin,
-one vanilla, started once per test run (fixtures of ``vllm_affinity.pytest_plugin``)."""
+one vanilla, started once per test run (fixtures of ``vllm_affinity.testing.pytest_plugin``)."""
 
 from __future__ import annotations
 

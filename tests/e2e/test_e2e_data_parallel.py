@@ -20,8 +20,8 @@ import jiuwen_hooks
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER
 from vllm_affinity.core import engine_rank
 from vllm_affinity.core.compaction import VERDICTS
-from vllm_affinity.pytest_plugin import shared_server
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+from vllm_affinity.testing.pytest_plugin import shared_server
 
 pytestmark = pytest.mark.e2e
 

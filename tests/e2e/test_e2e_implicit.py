@@ -1,7 +1,7 @@
 """Implicit sessions on a real plugin server (``VLLM_AFFINITY_IMPLICIT_SESSIONS=answers``, the
 default): a client that names no session (the plain openai client, no session header, no salt)
 streams its answers, and the server links its windows by the answers they carry back
-(``vllm_affinity/implicit_sessions.py``, ``core/answer_chains.py``).
+(``vllm_affinity/api_server/implicit_sessions.py``, ``core/answer_chains.py``).
 
 The shared plugin server runs one API server (vLLM's default ``--api-server-count 1``): the
 chain table lives in that process (``LocalChains``), where every request is seen and every

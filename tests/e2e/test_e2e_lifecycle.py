@@ -1,7 +1,8 @@
 """End to end: a session whose call ends with the model's answer goes to the IDLE segment; one
 whose call is cut off (or ends in a tool call) stays live; ``X-KV-Next-Use`` overrides both.
 Against real plugin servers: the IDLE segment's own tests on one that acts on every idle signal
-(``second_plugin_server``), the idle guard as shipped on ``vllm_affinity.pytest_plugin``'s."""
+(``second_plugin_server``), the idle guard as shipped on the shared server
+(``vllm_affinity.testing.pytest_plugin``)."""
 
 from __future__ import annotations
 

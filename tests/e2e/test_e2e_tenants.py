@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_affinity.core.tenants import key_principal
-from vllm_affinity.pytest_plugin import API_KEY, SECOND_API_KEY, TENANT_HEADER
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_window
+from vllm_affinity.testing.pytest_plugin import API_KEY, SECOND_API_KEY, TENANT_HEADER
 
 pytestmark = pytest.mark.e2e
 

@@ -33,8 +33,8 @@ from jiuwen_kv_protocol.headers import (
     GENERIC_SESSION_HEADERS,
     SESSION_HEADER,
 )
-from vllm_affinity.hybrid_model import build_hybrid
 from vllm_affinity.testing import SERVED_NAME, VLLMServer, filler_text
+from vllm_affinity.testing.hybrid_model import build_hybrid
 
 pytestmark = pytest.mark.e2e
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_affinity.hybrid_model import HYBRID_DIRS, HYBRID_SHAPES, build_hybrid
-from vllm_affinity.tiny_model import ARCHS, main
+from vllm_affinity.testing.build_model import main
+from vllm_affinity.testing.hybrid_model import HYBRID_DIRS, HYBRID_SHAPES, build_hybrid
+from vllm_affinity.testing.tiny_model import ARCHS
 
 
 def test_every_hybrid_shape_is_an_arch_with_a_folder_of_its_own() -> None:

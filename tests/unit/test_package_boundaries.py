@@ -1,10 +1,14 @@
 """The packages meet only through each other's public names: no module of one imports a private
 module (``_name``) of another, the hook never imports the plugin, and the wire package imports
-neither."""
+neither. Inside each package imports only go down (no circle, lazy and type-checking imports
+included), and the plugin's rooms keep their floors: the pure core at the bottom, the engine
+core's and the API server's rooms beside each other (neither imports the other), the tools for
+tests and demos above everything a production server loads."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -15,8 +19,18 @@ PACKAGES = ("jiuwen_hooks", "jiuwen_kv_protocol", "jiuwen_replay", "vllm_affinit
 FORBIDDEN = {
     "jiuwen_kv_protocol": {"jiuwen_hooks", "vllm_affinity", "jiuwen_replay"},
     "jiuwen_hooks": {"vllm_affinity", "jiuwen_replay"},
-    "vllm_affinity": {"jiuwen_hooks"},
+    "vllm_affinity": {"jiuwen_hooks", "jiuwen_replay"},
 }
+#: The plugin's floors, lowest first: a module imports only from its own floor or below, and
+#: the rooms of one floor (the two processes) not from each other.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("vllm_affinity.core",),
+    ("vllm_affinity._version", "vllm_affinity.compat", "vllm_affinity.settings"),
+    ("vllm_affinity.engine", "vllm_affinity.api_server"),  # engine core | API server
+    ("vllm_affinity.plugin", "vllm_affinity.nginx", "vllm_affinity"),  # the last: __init__
+    ("vllm_affinity.testing",),  # the server harness, model builders, pytest plugin
+    ("vllm_affinity.__main__",),  # the command line reaches every floor
+)
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -55,3 +69,80 @@ def test_a_private_import_is_found(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("from jiuwen_hooks._release import x\nimport vllm_affinity.core\n")
     assert imported_modules(module) >= {"jiuwen_hooks._release", "vllm_affinity.core"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` → the modules of ``package`` it imports (at any depth of the
+    file: inside functions and ``TYPE_CHECKING`` blocks too)."""
+    paths = {module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    stem = here[: len(here) - node.level + 1]
+                    base = ".".join([*stem, *([node.module] if node.module else [])])
+                # ``from . import _state`` imports the module, not the package's __init__
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base
+                    for alias in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_only_go_down(package: str) -> None:
+    try:
+        list(graphlib.TopologicalSorter(module_graph(package)).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"an import circle: {' -> '.join(exc.args[1])}")
+
+
+def room_of(module: str) -> tuple[int, str]:
+    """(floor, room) of a plugin module: the longest room name it starts with."""
+    found = [
+        (len(room), floor, room)
+        for floor, rooms in enumerate(FLOORS)
+        for room in rooms
+        if module == room or (module.startswith(room + ".") and room != "vllm_affinity")
+    ]
+    if not found:
+        raise AssertionError(f"{module} is on no floor: add its room to FLOORS")
+    _, floor, room = max(found)
+    return floor, room
+
+
+def test_the_plugin_rooms_keep_their_floors() -> None:
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in module_graph("vllm_affinity").items()
+        for target in targets
+        if (room_of(target)[0], room_of(target)[1] != room_of(module)[1])
+        > (room_of(module)[0], False)
+    ]
+    assert not upward, upward
+
+
+def test_a_circle_and_an_upward_import_are_found(tmp_path: Path) -> None:
+    graph = module_graph("vllm_affinity")
+    graph["vllm_affinity.core.queue"].add("vllm_affinity.engine.pool_affinity")
+    with pytest.raises(graphlib.CycleError):
+        list(graphlib.TopologicalSorter(graph).static_order())
+    assert room_of("vllm_affinity.engine.pool_affinity") == (2, "vllm_affinity.engine")
+    assert room_of("vllm_affinity.api_server.route") == (2, "vllm_affinity.api_server")

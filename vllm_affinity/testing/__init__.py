@@ -29,7 +29,7 @@ import httpx
 
 from jiuwen_kv_protocol.headers import RELEASE_PATH
 
-from .nginx import (
+from ..nginx import (
     TEMP_DIRS,
     Policy,
     RouterStartError,

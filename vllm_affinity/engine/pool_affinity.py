@@ -31,8 +31,7 @@ from jiuwen_kv_protocol.models import (
     Segments,
 )
 
-from .checkpoints import CHECKPOINT_KEY, InstructionCheckpoints, has_sparse_groups
-from .core import (
+from ..core import (
     HOLE,
     IdleResult,
     ReleaseResult,
@@ -42,45 +41,27 @@ from .core import (
     SessionBlocks,
     first_stale_block,
 )
-from .core.compaction import owner_of, retried_branch, settling_branch, side_branch
-from .core.counters import Counters
-from .core.groups import KVGroup
-from .core.idle_guard import IdleGuard
-from .core.returns import ReturnPredictor, swap_for
-from .core.siblings import SiblingStarts
-from .core.subagents import FamilyChange, Subagents
-from .core.tenants import scoped
-from .settings import Settings
-
-_BLOCK_ID = attrgetter("block_id")
-
-#: Key of the in-request hint in ``SamplingParams.extra_args`` (set by the API-server wrap).
-HINT_KEY = "kv_release"
-#: Key of the request's parent session in ``SamplingParams.extra_args`` (subagents).
-PARENT_KEY = "kv_parent"
-#: Key of the request's principal in ``SamplingParams.extra_args`` (``core/tenants.py``).
-PRINCIPAL_KEY = "kv_principal"
-#: Key of a compaction the API server told from the agent's own requests
-#: (``core/compaction.py``): the request's window rewrote its session's main thread.
-REWRITE_KEY = "kv_rewrite"
-#: Key of a retry the API server told (``core/compaction.py``): the request's window replaced
-#: its main thread's last message; the replaced window is kept apart until the next one.
-RETRY_KEY = "kv_retry"
-#: Key of a subagent's instruction length in tokens (``instructions.py``): its end keeps them.
-HEAD_KEY = "kv_head"
-#: Key of the request's ``X-KV-Next-Use`` (seconds), for the predicted-return picker.
-NEXT_USE_KEY = "kv_next_use"
-#: The keys above: set by the API server only, never taken from a client's ``vllm_xargs``.
-RESERVED_KEYS = (
+from ..core.compaction import owner_of, retried_branch, settling_branch, side_branch
+from ..core.counters import Counters
+from ..core.groups import KVGroup
+from ..core.idle_guard import IdleGuard
+from ..core.request_keys import (
+    HEAD_KEY,
     HINT_KEY,
+    NEXT_USE_KEY,
     PARENT_KEY,
     PRINCIPAL_KEY,
-    REWRITE_KEY,
     RETRY_KEY,
-    HEAD_KEY,
-    NEXT_USE_KEY,
-    CHECKPOINT_KEY,
+    REWRITE_KEY,
 )
+from ..core.returns import ReturnPredictor, swap_for
+from ..core.siblings import SiblingStarts
+from ..core.subagents import FamilyChange, Subagents
+from ..core.tenants import scoped
+from ..settings import Settings
+from .checkpoints import InstructionCheckpoints, has_sparse_groups
+
+_BLOCK_ID = attrgetter("block_id")
 
 
 class PoolAffinity:

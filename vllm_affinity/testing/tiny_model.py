@@ -5,8 +5,8 @@ with random weights (hit rates and latencies do not depend on weight values; the
 is gibberish), a byte-level BPE tokenizer trained locally with ``tokenizers``, and a Jinja chat
 template that renders tools and tool calls. Built once into a cache folder, then reused.
 
-    python -m vllm_affinity.tiny_model [--out DIR] [--size tiny|heavy|long]  # prints the folder
-    python -m vllm_affinity.tiny_model --arch gpt-oss|gemma3|qwen3-next|deepseek-v3 [--out DIR]
+    python -m vllm_affinity build-model [--out DIR] [--size tiny|heavy|long]  # prints the folder
+    python -m vllm_affinity build-model --arch gpt-oss|gemma3|qwen3-next|deepseek-v3 [--out DIR]
 
 ``tiny`` (the default: ~3M parameters) keeps tests fast; ``heavy`` (~30M parameters, same
 tokenizer and template) makes prefill cost what it costs on real hardware relative to the rest of
@@ -20,15 +20,13 @@ token's embedding points the last position at a short chain of answer tokens tha
 treats an empty answer as a failure to retry, and an answer cut at ``max_tokens`` as an error;
 this one is neither.
 
-``--arch`` builds hybrid models instead: ``hybrid_model.py``.
+``--arch`` builds hybrid models instead: ``hybrid_model.py`` (the command: ``build_model.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -247,24 +245,3 @@ def _short_answers(model: Any, chain: list[int]) -> None:
             embed[token, stage] = 4.0
         for stage, token in enumerate(chain):
             head[token, stage] = 3.0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build a small local test model.")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="llama only")
-    args = parser.parse_args(argv)
-    if args.arch != "llama":
-        if args.size is not None:
-            parser.error("--size applies to --arch llama only")
-        from .hybrid_model import build_hybrid
-
-        print(build_hybrid(args.arch, args.out))
-        return 0
-    print(build(args.out, size=args.size or "tiny"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

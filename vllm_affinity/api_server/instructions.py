@@ -26,8 +26,8 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from .core import common_prefix_length
-from .core.compaction import INSTRUCTION_ROLES
+from ..core import common_prefix_length
+from ..core.compaction import INSTRUCTION_ROLES
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""pytest plugin, opt-in (``pytest -p vllm_affinity.pytest_plugin``): real vLLM servers for
+"""pytest plugin, opt-in (``pytest -p vllm_affinity.testing.pytest_plugin``): real vLLM servers for
 end-to-end tests.
 
 - ``vllm_affinity_server``: vLLM (CPU build, small local model) with the plugin, ``--api-key``
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from .testing import VLLMServer
+    from . import VLLMServer
 
 API_KEY = "jiuwen-test-key"
 #: A second key the plugin server accepts, and the tenant header it reads: for tenant tests
@@ -39,7 +39,7 @@ NUM_BLOCKS = 96
 
 
 def _plugin_server() -> VLLMServer:
-    from .testing import VLLMServer
+    from . import VLLMServer
 
     return VLLMServer(
         plugin=True,
@@ -57,7 +57,7 @@ def _plugin_server() -> VLLMServer:
 
 
 def _vanilla_server() -> VLLMServer:
-    from .testing import VLLMServer
+    from . import VLLMServer
 
     return VLLMServer(
         plugin=False,

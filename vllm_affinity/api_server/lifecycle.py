@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from .core.lifecycle import ends_task, goes_idle
+from ..core.lifecycle import ends_task, goes_idle
 
 logger = logging.getLogger("vllm_affinity")
 

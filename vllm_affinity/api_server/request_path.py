@@ -40,25 +40,13 @@ from opentelemetry import propagate, trace
 from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE, SESSION_HEADER
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 
-from .agent_windows import (
-    apply_verdict,
-    prompt_cache_key,
-    qwen_code_metadata,
-    window_of,
-    window_to_judge,
-)
-from .checkpoints import CHECKPOINT_KEY
-from .core import HintError, ReleaseHint, engine_rank
-from .core.answer_chains import Outcome
-from .core.compaction import BRANCH_SEPARATOR, Verdict, Window
-from .core.lifecycle import HEADER as NEXT_USE_HEADER
-from .core.lifecycle import NextUseError, parse_next_use
-from .core.session_headers import parent_from_headers, session_from_headers
-from .core.tenants import UNSCOPED, scoped
-from .implicit_sessions import chain_window_of, with_answer
-from .instructions import instructions_key
-from .lifecycle import watched
-from .pool_affinity import (
+from ..core import HintError, ReleaseHint, engine_rank
+from ..core.answer_chains import Outcome
+from ..core.compaction import BRANCH_SEPARATOR, Verdict, Window
+from ..core.lifecycle import HEADER as NEXT_USE_HEADER
+from ..core.lifecycle import NextUseError, parse_next_use
+from ..core.request_keys import (
+    CHECKPOINT_KEY,
     HEAD_KEY,
     HINT_KEY,
     NEXT_USE_KEY,
@@ -66,8 +54,20 @@ from .pool_affinity import (
     PRINCIPAL_KEY,
     RESERVED_KEYS,
 )
+from ..core.session_headers import parent_from_headers, session_from_headers
+from ..core.tenants import UNSCOPED, scoped
+from ..settings import Settings
+from .agent_windows import (
+    apply_verdict,
+    prompt_cache_key,
+    qwen_code_metadata,
+    window_of,
+    window_to_judge,
+)
+from .implicit_sessions import chain_window_of, with_answer
+from .instructions import instructions_key
+from .lifecycle import watched
 from .release_service import ReleaseService
-from .settings import Settings
 
 tracer = trace.get_tracer("vllm_affinity")
 logger = logging.getLogger("vllm_affinity")

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
-from .core.answer_chains import OUTCOMES, Answer, AnswerChains, ChainWindow, Outcome
+from ..core.answer_chains import OUTCOMES, Answer, AnswerChains, ChainWindow, Outcome
 
 logger = logging.getLogger("vllm_affinity")
 

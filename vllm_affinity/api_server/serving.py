@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..settings import Settings
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
 from .release_service import service_of
 from .request_path import (
@@ -20,7 +21,6 @@ from .request_path import (
     run_steps,
     strip_reserved_args,
 )
-from .settings import Settings
 
 _wrapped_serving = False
 

@@ -16,17 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core.checkpoints import Checkpoints, checkpoint_position, instructions_end, junction
-from .core.counters import Counters
-from .core.groups import KVGroup
-from .core.queue import SegmentedFreeBlockQueue
-
-#: Key of a request's instruction length in tokens in ``SamplingParams.extra_args`` (set by the
-#: API server on a hybrid model's requests).
-CHECKPOINT_KEY = "kv_checkpoint"
-
-#: Kinds of group that keep every block of a prompt: their hit needs no checkpoint.
-DENSE_KINDS = frozenset({"full_attention", "mla_attention"})
+from ..core.checkpoints import Checkpoints, checkpoint_position, instructions_end, junction
+from ..core.counters import Counters
+from ..core.groups import KVGroup
+from ..core.queue import SegmentedFreeBlockQueue
+from ..core.request_keys import CHECKPOINT_KEY, DENSE_KINDS
 
 
 def has_sparse_groups(groups: tuple[KVGroup, ...]) -> bool:

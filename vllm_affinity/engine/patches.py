@@ -39,38 +39,12 @@ import wrapt
 
 from jiuwen_kv_protocol.models import ReleaseMode
 
-from .compat import check_supported_vllm
-from .core.answer_chains import Answer, AnswerChains, ChainWindow
-from .core.compaction import AgentWindow, CompactionRule, Window
-from .core.groups import KVGroup, kind_of
-from .pool_affinity import (
-    HEAD_KEY,
-    HINT_KEY,
-    NEXT_USE_KEY,
-    PARENT_KEY,
-    PRINCIPAL_KEY,
-    RESERVED_KEYS,
-    RETRY_KEY,
-    REWRITE_KEY,
-    PoolAffinity,
-    affinity_of,
-    session_of,
-)
-from .settings import Settings
-
-__all__ = [
-    "HEAD_KEY",
-    "HINT_KEY",
-    "NEXT_USE_KEY",
-    "PARENT_KEY",
-    "PRINCIPAL_KEY",
-    "RESERVED_KEYS",
-    "RETRY_KEY",
-    "REWRITE_KEY",
-    "PoolAffinity",
-    "affinity_of",
-    "apply_engine_patches",
-]
+from ..compat import check_supported_vllm
+from ..core.answer_chains import Answer, AnswerChains, ChainWindow
+from ..core.compaction import AgentWindow, CompactionRule, Window
+from ..core.groups import KVGroup, kind_of
+from ..settings import Settings
+from .pool_affinity import PoolAffinity, affinity_of, session_of
 
 _applied = False
 _BLOCK_ID = attrgetter("block_id")

@@ -30,17 +30,17 @@ from jiuwen_kv_protocol.headers import (
 from jiuwen_kv_protocol.hint import HEADER as HINT_HEADER
 from jiuwen_kv_protocol.models import EngineRelease, ReleaseError, ReleaseRequest
 
+from ..core import engine_rank
+from ..core.compaction import owner_of
+from ..core.lifecycle import HEADER as NEXT_USE_HEADER
+from ..core.request_keys import DENSE_KINDS
+from ..core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
+from ..settings import Settings
 from .agent_windows import EngineWindows, LocalWindows
-from .checkpoints import DENSE_KINDS
-from .core import engine_rank
-from .core.compaction import owner_of
-from .core.lifecycle import HEADER as NEXT_USE_HEADER
-from .core.tenants import ANONYMOUS, UNSCOPED, key_principal, scoped, tenant_principal
 from .implicit_sessions import AnswerRecords, EngineChains, LocalChains
 from .instructions import INSTRUCTION_ROLES, Instructions
 from .lifecycle import IdleSignals
 from .metrics import AffinityMetrics
-from .settings import Settings
 
 logger = logging.getLogger("vllm_affinity")
 tracer = trace.get_tracer("vllm_affinity")

@@ -31,9 +31,9 @@ from pydantic import ValidationError
 from jiuwen_kv_protocol.headers import MODEL_ATTRIBUTE, RELEASE_SPAN, SESSION_ATTRIBUTE
 from jiuwen_kv_protocol.models import EngineRestore, ReleaseError, ReleaseRequest
 
-from .core.agent_hint import AgentHint, AgentHintError
-from .core.tenants import scoped
-from .pool_affinity import PARENT_KEY
+from ..core.agent_hint import AgentHint, AgentHintError
+from ..core.request_keys import PARENT_KEY
+from ..core.tenants import scoped
 
 if TYPE_CHECKING:
     from .release_service import ReleaseService

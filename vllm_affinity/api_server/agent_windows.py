@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from jiuwen_kv_protocol.headers import CODING_AGENT_HEADERS, RELEASE_HEADER
 
-from .core.compaction import (
+from ..core.compaction import (
     BRANCH_SEPARATOR,
     VERDICTS,
     AgentWindow,
@@ -38,8 +38,8 @@ from .core.compaction import (
     Window,
     side_branch,
 )
-from .core.session_headers import MAX_SESSION_LENGTH
-from .pool_affinity import RETRY_KEY, REWRITE_KEY
+from ..core.request_keys import RETRY_KEY, REWRITE_KEY
+from ..core.session_headers import MAX_SESSION_LENGTH
 
 
 def is_agent_request(request: Any, headers: Mapping[str, str]) -> bool:

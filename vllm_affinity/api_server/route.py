@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse
 from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, RELEASE_PATH
 from jiuwen_kv_protocol.models import ReleaseError
 
-from ._version import plugin_version
+from .._version import plugin_version
+from ..settings import Settings
 from .release_service import CAPABILITIES, ReleaseService, error_response, service_of
 from .serving import wrap_serving
-from .settings import Settings
 
 router = APIRouter()
 
