@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import trace_replay
+from benchmarks.engine_scale import DEFAULT_CELLS
 from benchmarks.peers import AGENTINFER_VENV, agentinfer_trace
 
 SCENARIOS = ("vanilla", "lifecycle", "agent-headers", "agentinfer")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="leave AgentInfer out")
     parser.add_argument("--out", default="benchmarks/results/compare")
     parser.add_argument(
-        "--engine-scale", default="20000:16384:30,200000:131072:40,400000:131072:40",
+        "--engine-scale", default=DEFAULT_CELLS,
         help="first, the plugin's engine cost at these pool sizes (benchmarks.engine_scale "
         "cells, one group and hybrid); empty: skip it",
     )  # fmt: skip

@@ -12,7 +12,8 @@ the scheduler-side time per request (the plugin's request hook, prefix lookup, a
 frees), the ratio, the prompt tokens each side hit, and (``--memory``) what the plugin's own
 structures hold.
 
-    python -m benchmarks.engine_scale [--cells 20000:16384:30,200000:131072:40,400000:131072:40]
+    python -m benchmarks.engine_scale
+        [--cells 20000:16384:30,200000:16384:300,200000:131072:40,400000:131072:40]
         [--hybrid] [--rounds 12] [--memory] [--profile]
 
 A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
@@ -42,6 +43,8 @@ DECODE = 64
 #: The system prompt and tools every session shares.
 SYSTEM = 4096
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Pool blocks : prompt tokens : sessions (cycling when they hold more than the pool).
+DEFAULT_CELLS = "20000:16384:30,200000:16384:300,200000:131072:40,400000:131072:40"
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def parse_cells(text: str, hybrid: bool) -> list[Cell]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", default="20000:16384:30,200000:131072:40,400000:131072:40")
+    parser.add_argument("--cells", default=DEFAULT_CELLS)
     parser.add_argument("--hybrid", action="store_true", help="also every cell on a hybrid spec")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--memory", action="store_true")
@@ -316,7 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory:
             row["plugin_mb"] = plugin_memory(cell, args.rounds)
         rows.append(row)
+    command = " ".join(
+        ["python -m benchmarks.engine_scale", *(argv if argv is not None else sys.argv[1:])]
+    )
     lines = [
+        f"Command: `{command}`",
+        "",
         "The plugin's scheduler-side time per request at GPU scale (vLLM's real KVCacheManager, "
         f"blocks of {BLOCK} tokens, prefill chunks of {CHUNK}, {DECODE} tokens decoded per turn)",
         "",
@@ -333,10 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{hits['vanilla'] / 1e6:.2f}M / {hits['plugin'] / 1e6:.2f}M "
             f"| {mb} |"
         )
-    command = " ".join(
-        ["python -m benchmarks.engine_scale", *(argv if argv is not None else sys.argv[1:])]
-    )
-    lines += ["", f"Made by `{command}`; the ratio is the median of the steady rounds' ratios."]
+    lines += ["", "The ratio is the median of the steady rounds' ratios."]
     write_outputs(args.out, "engine_scale", {"config": vars(args), "rows": rows},
                   "\n".join(lines) + "\n")  # fmt: skip
     return 0

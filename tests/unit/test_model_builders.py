@@ -27,3 +27,13 @@ def test_bad_arguments_are_refused_before_building(capsys: pytest.CaptureFixture
         main(["--arch", "mixtral"])
     with pytest.raises(ValueError, match="unknown hybrid arch"):
         build_hybrid("llama")
+
+
+def test_the_models_are_built_in_the_repository_cache() -> None:
+    """The builders live in ``vllm_affinity/testing/``; their models in the checkout's ``.cache``
+    (what the Makefile's targets and every test read)."""
+    from pathlib import Path
+
+    from vllm_affinity.testing.tiny_model import DEFAULT_DIR
+
+    assert Path(__file__).resolve().parents[2] / ".cache" / "tiny-llama" == DEFAULT_DIR

@@ -32,7 +32,7 @@ from typing import Any
 
 #: Bump when the recipe changes, so cached builds are rebuilt.
 RECIPE_VERSION = 2
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "tiny-llama"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiny-llama"
 HEAVY_DIR = DEFAULT_DIR.with_name("heavy-llama")
 
 #: Network shapes by size: hidden, intermediate, layers, attention heads, KV heads.
