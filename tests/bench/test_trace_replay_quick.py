@@ -1,4 +1,4 @@
-"""``vllm-affinity bench replay`` on real servers: the synthetic trace in all four formats,
+"""``jiuwen-bench replay`` on real servers: the synthetic trace in all four formats,
 vanilla vs plugin + hook, the simulator beside each run (about a minute on the shared servers)."""
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_lifecycle_signals_agree_with_the_simulator(
 def test_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
-    command = [sys.executable, "-m", "vllm_affinity", "bench", "replay", "--trace", str(bad)]
+    command = [sys.executable, "-m", "jiuwen_replay", "replay", "--trace", str(bad)]
     command += ["--format", "mooncake", "--base-url", "http://127.0.0.1:9/v1", "--model", "m"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
@@ -208,14 +208,25 @@ def test_agent_headers_without_a_hook_compute_no_more_than_vanilla(
     assert headers["side"] == "agent headers" and not headers["hooked"]
     assert headers["errors"] == 0 and headers["calls"] == result["trace"]["requests"]
     assert headers["computed_tokens"] <= baseline["computed_tokens"], (headers, baseline)
-    # near the hook's run; the hook's hints give the picker due dates the headers do not
-    # (here 10,032 against 9,200 prompt tokens; 11,184 vanilla)
-    assert headers["computed_tokens"] <= hooked["computed_tokens"] * 1.15, (headers, hooked)
+    # Near the hook's run, but not equal, and not from the headers: the three runs share one
+    # server, and the headers' run comes last. The hooked run before it names its sessions and
+    # never ends them (no --end-sessions), so its 63-block pool is left full of blocks of six
+    # sessions that will never call again, and the picker (on as shipped) reads them as
+    # overdue, "due as long again as they have been away" (docs/decisions.md, *How it became
+    # the default*: its remaining weakness), later than the headers run's new sessions: it
+    # spares them and evicts lead0's and lead1's first windows (calls 4 and 5 hit 0 tokens
+    # where the hooked run hit 320 each) and part of lead2's (call 11: 320 against 512). The
+    # no-hook run before the hooked one names no session, so its blocks go in LRU's order.
+    # Measured (deterministic: the same in two cycles): 10,032 prompt tokens computed against
+    # the hook's 9,200 (1.090x; vanilla 11,184). The simulator on the same tokens, started
+    # after the hooked run's requests under their own names, gives exactly 10,032 and those
+    # per-call misses; started empty, as the replay runs it, the hook's 9,200.
+    assert headers["computed_tokens"] <= hooked["computed_tokens"] * 1.10, (headers, hooked)
     assert headers["simulator"]["policy"] == "lifecycle+return-unguarded"
-    # With the picker the real server hits 0.05 less than the simulator here (0.484 against
-    # 0.535; without it they agreed within 0.02), still 0.06 above vanilla: an open
-    # disagreement (docs/decisions.md, *How it became the default*), bounded so it cannot grow.
-    assert abs(headers["simulator"]["sim_minus_real"]) <= 0.06, headers["simulator"]
+    assert abs(hooked["simulator"]["sim_minus_real"]) <= 0.01, hooked["simulator"]  # 0.0
+    # Hence the simulator (from an empty pool: 0.5267, the hooked run's real rate to the
+    # fourth decimal) above the real 0.4840 by 0.0427, bounded so it cannot grow.
+    assert abs(headers["simulator"]["sim_minus_real"]) <= 0.05, headers["simulator"]
     # every session's windows were judged from its headers (the hooked run's carry none)
     after = server.affinity_stats()["api_server"]
     judged = {v: after.get(f"windows.{v}", 0) - before.get(f"windows.{v}", 0)
