@@ -381,3 +381,20 @@ def test_a_running_request_grows_by_its_new_blocks() -> None:
     table.request_finished("a", "r1")
     assert not table.grow("a", "r1", 4, [4], 128)  # finished: its blocks may be reused
     assert table.holders(4) == 0 and table.check() == []
+
+
+def test_owner_names_stay_bounded_and_keep_their_meaning() -> None:
+    """Owners are kept by index; past ``2 * max_sessions + 1024`` names the table keeps only
+    its sessions' owners. A block first held by a session that left still counts as another
+    session's (shared when a new one holds it), and a live session still holds its own."""
+    table = SessionBlocks(max_sessions=2)
+    table.record("gone", [5], 0, "r0")
+    for i in range(1100):
+        table.record(f"s{i}", [1000 + i], 0, f"r{i}")
+        table.record("live", [7], 0, "live")  # kept in the table, its record carried over
+    assert len(table._owners) < 1100  # the names were forgotten once at least
+    assert table.sole_holder(7) == "live"
+    assert table.holders(5) == 0 and not table.is_shared(5)
+    table.record("late", [5], 0, "late")  # "gone" held block 5's content first
+    assert table.is_shared(5) and table.sole_holder(5) is None
+    assert table.check() == []

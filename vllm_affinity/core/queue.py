@@ -358,13 +358,11 @@ class SegmentedFreeBlockQueue:
         if take <= 0:
             return
         assert self._picker is not None
-        mark = self._mark
         picked: list[Block] = []
         for block in self._picker(take)[:take]:
-            prev = block.prev_free_block
-            if prev is None or mark[block.block_id] or block.block_hash is None:
+            if not self.is_normal(block):
                 continue  # not a queued NORMAL block, or named twice (out while picking)
-            nxt = block.next_free_block
+            prev, nxt = block.prev_free_block, block.next_free_block
             prev.next_free_block = nxt
             nxt.prev_free_block = prev
             block.prev_free_block = None

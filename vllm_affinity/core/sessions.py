@@ -244,7 +244,7 @@ class SessionBlocks:
     def unbind(self, block_ids: Sequence[int]) -> None:
         """These blocks are being reused for new content: no record holds them any more."""
         if len(block_ids) <= self.few:
-            self._unbind_few(block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids)
+            self._unbind_few(block_ids)
             return
         ids = np.asarray(block_ids, np.int32)
         ids = ids[(ids >= 0) & (ids < len(self._holders))]

@@ -34,7 +34,6 @@ from operator import attrgetter
 from time import perf_counter_ns
 from typing import Any
 
-import numpy as np
 import wrapt
 
 from jiuwen_kv_protocol.models import ReleaseMode
@@ -113,7 +112,7 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance)
     if state is not None:
         start = perf_counter_ns()
-        ids = np.fromiter(map(_BLOCK_ID, blocks), np.int32, len(blocks))
+        ids = list(map(_BLOCK_ID, blocks))
         for table in state.tables:
             table.unbind(ids)
         state.engine_ns += perf_counter_ns() - start
