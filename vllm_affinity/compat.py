@@ -26,7 +26,7 @@ REQUIRED = {
     ),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": (
         "get_computed_blocks",
-        "allocate_slots",
+        "get_block_ids",
         "free",
         "pop_blocks_for_free",
         "coordinator",
@@ -38,10 +38,15 @@ REQUIRED = {
     ),
     "vllm.v1.core.sched.scheduler.Scheduler": (
         "add_request",
+        "schedule",
         "has_requests",
         "requests",
         "kv_cache_manager",
     ),
+    # the blocks a step hands the workers, bound per step (``bind_step``)
+    "vllm.v1.core.sched.output.SchedulerOutput": ("scheduled_new_reqs", "scheduled_cached_reqs"),
+    "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids"),
+    "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "resumed_req_ids", "new_block_ids"),
     "vllm.v1.core.kv_cache_utils.KVCacheBlock": ("block_hash", "block_id", "is_null", "ref_cnt"),
     "vllm.v1.request.Request": (
         "block_hashes",

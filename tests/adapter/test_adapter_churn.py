@@ -11,7 +11,7 @@ from typing import Any
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from vllm_parts import BLOCK, make_manager, make_request, state_of
+from vllm_parts import BLOCK, bind_as_scheduled, make_manager, make_request, state_of
 
 from vllm_affinity.engine import apply_engine_patches
 
@@ -39,6 +39,7 @@ class ChurnMachine(RuleBasedStateMachine):
         )
         if blocks is None:
             return False
+        bind_as_scheduled(self.manager, request, blocks, first=True)
         request.num_computed_tokens = request.num_tokens
         self.manager.cache_blocks(request, request.num_tokens)
         return True
@@ -62,9 +63,11 @@ class ChurnMachine(RuleBasedStateMachine):
         request = data.draw(st.sampled_from(self.running))
         for _ in range(n):
             request.append_output_token_ids(7)
-            if self.manager.allocate_slots(request, 1) is None:  # the scheduler preempts it
+            blocks = self.manager.allocate_slots(request, 1)
+            if blocks is None:  # the scheduler preempts it
                 self._preempt(request)
                 return
+            bind_as_scheduled(self.manager, request, blocks, first=False)
             request.num_computed_tokens += 1
             self.manager.cache_blocks(request, request.num_computed_tokens)
 

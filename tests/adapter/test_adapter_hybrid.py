@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm_parts import (
     BLOCK,
+    bind_as_scheduled,
     generate,
     group_block_ids,
     make_hybrid_manager,
@@ -228,7 +229,9 @@ def prefill_in_chunks(manager: Any, request: Any, chunk: int) -> None:
     group in ``align`` mode keeps a state at each chunk's end and retires the older ones."""
     while request.num_computed_tokens < request.num_tokens:
         step = min(chunk, request.num_tokens - request.num_computed_tokens)
-        assert manager.allocate_slots(request, step) is not None
+        blocks = manager.allocate_slots(request, step)
+        assert blocks is not None
+        bind_as_scheduled(manager, request, blocks, first=request.num_computed_tokens == 0)
         request.num_computed_tokens += step
         manager.cache_blocks(request, request.num_computed_tokens)
 
@@ -336,7 +339,9 @@ def scheduled(manager: Any, request: Any) -> int:
     it pins on the request (the sliding-window manager keeps the state there). Then the
     prefill, in one chunk."""
     computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - hit, hit, computed) is not None
+    blocks = manager.allocate_slots(request, request.num_tokens - hit, hit, computed)
+    assert blocks is not None
+    bind_as_scheduled(manager, request, blocks, first=True)
     request.num_computed_tokens = request.num_tokens
     manager.cache_blocks(request, request.num_tokens)
     return int(hit)

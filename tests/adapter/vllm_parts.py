@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
 from vllm_affinity.testing import kv_cache_manager
+from vllm_affinity.testing.scheduling import bind_as_scheduled
 
 BLOCK = 16
 _ids = itertools.count()
@@ -44,6 +45,7 @@ def run_prefill(manager: KVCacheManager, request: Request) -> list[int]:
     num_new = request.num_tokens - num_computed
     blocks = manager.allocate_slots(request, num_new, num_computed, computed)
     assert blocks is not None, "out of KV blocks"
+    bind_as_scheduled(manager, request, blocks, first=True)  # the step's output
     request.num_computed_tokens = request.num_tokens
     manager.cache_blocks(request, request.num_tokens)
     return list(manager.get_block_ids(request.request_id)[0])
@@ -53,7 +55,8 @@ def generate(manager: KVCacheManager, request: Request, n: int, token: int = 7) 
     """Append ``n`` decoded tokens, allocating blocks as a running request would."""
     for _ in range(n):
         request.append_output_token_ids(token)
-        manager.allocate_slots(request, 1)
+        blocks = manager.allocate_slots(request, 1)
+        bind_as_scheduled(manager, request, blocks, first=False)
         request.num_computed_tokens += 1
         manager.cache_blocks(request, request.num_computed_tokens)
 

@@ -18,7 +18,13 @@ from ..core.request_keys import (
     RETRY_KEY,
     REWRITE_KEY,
 )
-from .patches import apply_engine_patches, cached_block_hashes, describe_groups, event_hash_text
+from .patches import (
+    apply_engine_patches,
+    bind_step,
+    cached_block_hashes,
+    describe_groups,
+    event_hash_text,
+)
 from .pool_affinity import PoolAffinity, affinity_of, session_of
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "PoolAffinity",
     "affinity_of",
     "apply_engine_patches",
+    "bind_step",
     "cached_block_hashes",
     "describe_groups",
     "event_hash_text",

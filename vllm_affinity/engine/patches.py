@@ -3,8 +3,10 @@
 - ``BlockPool.__init__``: swap in the segmented queue and attach a ``PoolAffinity``
   (``pool_affinity.py``: the state and every path that acts on it).
 - ``BlockPool.get_new_blocks``: blocks handed out for new content are held by no session any more.
-- ``KVCacheManager.allocate_slots`` / ``free`` / ``pop_blocks_for_free``: bind a request's blocks
-  (prefix hits and new ones) to its session (``session_id``, else ``cache_salt``).
+- ``Scheduler.schedule``: bind the blocks each step hands the workers (a new request's prefix
+  hits and new blocks, a running request's new ones, as vLLM's ``SchedulerOutput`` lists them)
+  to the request's session (``session_id``, else ``cache_salt``); ``KVCacheManager.free`` /
+  ``pop_blocks_for_free``: bind what no output listed, before vLLM frees the blocks.
 - ``KVCacheManager.get_computed_blocks``: on a hybrid model, a request's instructions' end
   becomes its junction, where vLLM keeps the sliding-window and Mamba state
   (``checkpoints.py``).
@@ -30,7 +32,6 @@ All of vLLM's own method bodies stay untouched.
 from __future__ import annotations
 
 import logging
-from operator import attrgetter
 from time import perf_counter_ns
 from typing import Any
 
@@ -46,7 +47,6 @@ from ..settings import Settings
 from .pool_affinity import PoolAffinity, affinity_of, session_of
 
 _applied = False
-_BLOCK_ID = attrgetter("block_id")
 logger = logging.getLogger("vllm_affinity")
 
 
@@ -112,34 +112,11 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance)
     if state is not None:
         start = perf_counter_ns()
-        ids = list(map(_BLOCK_ID, blocks))
+        ids = [block.block_id for block in blocks]
         for table in state.tables:
             table.unbind(ids)
         state.engine_ns += perf_counter_ns() - start
     return blocks
-
-
-def _allocate_slots(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    """Bind on a request's first allocation and whenever it got new blocks: once per block, not
-    once per decoded token. A decode step that got no block (most) costs an ``any`` over the
-    new blocks and one attribute read, whether the request has a session or not."""
-    result = wrapped(*args, **kwargs)
-    if result is None:
-        return result
-    request = args[0] if args else kwargs["request"]
-    if not any(result.blocks) and getattr(request, "_jiuwen_settled", False):
-        return result  # a decode step that got no block, of a request bound or of no session
-    session = session_of(request)
-    state = affinity_of(instance.block_pool) if session else None
-    if state is None:
-        request._jiuwen_settled = True  # nothing to bind, on any step
-        return result
-    start = perf_counter_ns()
-    if any(result.blocks) or not state.is_bound(request.request_id):
-        _bind(state, session, instance, request)
-    request._jiuwen_settled = True  # until it frees its blocks (``_free``)
-    state.engine_ns += perf_counter_ns() - start
-    return result
 
 
 def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -171,7 +148,6 @@ def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     finally:
         start = perf_counter_ns()
         state.request_done(session, request.request_id)
-        request._jiuwen_settled = False  # preempted and resumed: bound afresh
         state.engine_ns += perf_counter_ns() - start
 
 
@@ -190,12 +166,42 @@ def _make_add_request(settings: Settings) -> Any:
 
 
 def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    """Counts the scheduler's steps: the plugin's time per step is its time over them."""
+    """Counts the scheduler's steps (the plugin's time per step is its time over them) and
+    binds the blocks the step hands the workers to their sessions (``bind_scheduled``)."""
+    output = wrapped(*args, **kwargs)
     manager = getattr(instance, "kv_cache_manager", None)
     state = affinity_of(manager.block_pool) if manager is not None else None
     if state is not None:
         state.steps += 1
-    return wrapped(*args, **kwargs)
+        start = perf_counter_ns()
+        bind_step(state, instance.requests, output)
+        state.engine_ns += perf_counter_ns() - start
+    return output
+
+
+def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
+    """Bind what a scheduler step's output (vLLM's ``SchedulerOutput``) gives each request of
+    a session: a new or resumed request's whole block lists, a running request's new blocks.
+    A decode step that gave a request no block costs one ``None`` check."""
+    for new in output.scheduled_new_reqs:
+        request = requests.get(new.req_id)
+        session = session_of(request) if request is not None else None
+        if session:
+            state.bind_scheduled(
+                session, new.req_id, new.block_ids, request.num_prompt_tokens, appended=False
+            )
+    cached = output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if block_ids is None:
+            continue
+        request = requests.get(req_id)
+        session = session_of(request) if request is not None else None
+        if session:
+            state.bind_scheduled(
+                session, req_id, block_ids, request.num_prompt_tokens,
+                appended=req_id not in resumed,
+            )  # fmt: skip
 
 
 def _engine_state(engine_core: Any) -> PoolAffinity:
@@ -354,7 +360,6 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(BlockPool, "__init__", _make_block_pool_init(settings))
     wrapt.wrap_function_wrapper(BlockPool, "get_new_blocks", _get_new_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "__init__", _kv_cache_manager_init)
-    wrapt.wrap_function_wrapper(KVCacheManager, "allocate_slots", _allocate_slots)
     wrapt.wrap_function_wrapper(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)

@@ -14,7 +14,6 @@ import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -60,8 +59,6 @@ from ..core.subagents import FamilyChange, Subagents
 from ..core.tenants import scoped
 from ..settings import Settings
 from .checkpoints import InstructionCheckpoints, has_sparse_groups
-
-_BLOCK_ID = attrgetter("block_id")
 
 
 class PoolAffinity:
@@ -136,33 +133,78 @@ class PoolAffinity:
         group's table records the same requests)."""
         return self.tables[0]
 
+    def bind_scheduled(
+        self,
+        session: str,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        prompt: int,
+        appended: bool,
+    ) -> None:
+        """Record what the scheduler's step output hands the workers (one list of block ids
+        per vLLM group): a new or resumed request's whole block lists, or (``appended``) the
+        blocks a running request got in this step, after those already bound. Bound once per
+        step that gave the request blocks, from the ids vLLM computed for its output, so a
+        decode step that got no block costs nothing."""
+        already = self._bound.get(request_id) if appended else None
+        if appended and already is None:
+            return  # never bound whole (bound when it frees its blocks)
+        grown = [self._id_array(block_ids[g.index]) for g in self.groups]
+        self._bind(session, request_id, grown, already, prompt, whole=None)
+
     def bind_request(
         self, session: str, request_id: str, blocks: Sequence[list[Any]], prompt: int
     ) -> None:
-        """Record the request's blocks (one list per vLLM group) as its session's latest, once
-        per growth of its block lists (not per token)."""
+        """Record the request's blocks (vLLM's block objects, one list per vLLM group) as they
+        are now, for what the step outputs did not bind: called before the request frees its
+        blocks, at the cost of a length check when everything is bound already."""
         lengths = tuple(len(blocks[g.index]) for g in self.groups)
         already = self._bound.get(request_id)
         if lengths == already:
             return
+        grown = [
+            self._ids(blocks[g.index][already[position] if already else 0 :])
+            for position, g in enumerate(self.groups)
+        ]
+        self._bind(session, request_id, grown, already, prompt, whole=blocks)
+
+    def _bind(
+        self,
+        session: str,
+        request_id: str,
+        grown: list[np.ndarray],
+        already: tuple[int, ...] | None,
+        prompt: int,
+        whole: Sequence[list[Any]] | None,
+    ) -> None:
+        """Each group's table records the request's ``grown`` blocks: its whole lists when
+        ``already`` is None, else the blocks after the ``already`` bound. A running request's
+        record that another request of the session replaced meanwhile is recorded again whole
+        (from ``whole``), or left to the bind before it frees its blocks."""
+        lengths = []
         for position, (group, table) in enumerate(zip(self.groups, self.tables, strict=True)):
-            group_blocks = blocks[group.index]
+            ids = grown[position]
             start = already[position] if already else 0
-            grown = self._ids(group_blocks[start:])
+            lengths.append(start + len(ids))
             if self.queue.num_pending:  # live users again: not RELEASED when freed
-                self.queue.cancel_pending_many(grown.tolist())
-            # a running request that grew (a prefill chunk, a decoded block): its new blocks only
-            if already and table.grow(session, request_id, start, grown, prompt):
-                continue
-            table.record(
-                session, grown if not start else self._ids(group_blocks), prompt, request_id
-            )
-        self._bound[request_id] = lengths
+                self.queue.cancel_pending_many(ids.tolist())
+            if not start:
+                table.record(session, ids, prompt, request_id)
+            elif not table.grow(session, request_id, start, ids, prompt):
+                if whole is None:
+                    self._bound.pop(request_id, None)  # bound whole before it frees its blocks
+                    return
+                table.record(session, self._ids(whole[group.index]), prompt, request_id)
+        self._bound[request_id] = tuple(lengths)
 
     def _ids(self, blocks: Sequence[Any]) -> np.ndarray:
-        """The blocks' ids, ``HOLE`` for the null block, read in C (``map``) into an array."""
-        ids = np.fromiter(map(_BLOCK_ID, blocks), np.int32, len(blocks))
-        ids[ids == self._null_id] = HOLE
+        """The blocks' ids, ``HOLE`` for the null block."""
+        return self._id_array([block.block_id for block in blocks])
+
+    def _id_array(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Block ids as an array, ``HOLE`` for the null block's."""
+        ids = np.fromiter(block_ids, np.int32, len(block_ids))
+        ids[ids == self._null_id] = HOLE  # a sliding window's or a Mamba group's
         return ids
 
     def is_bound(self, request_id: str) -> bool:

@@ -1,0 +1,86 @@
+"""The step binding on vLLM's real ``Scheduler`` (no model): each step's output binds the blocks it
+hands the workers to the request's session, chunked prefills, decoded blocks and preemptions
+alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import RequestStatus
+from vllm_parts import BLOCK, make_request, state_of, tokens
+
+from vllm_affinity.core import HOLE
+from vllm_affinity.engine import apply_engine_patches
+from vllm_affinity.testing.scheduling import scheduler, step
+
+apply_engine_patches()
+
+
+def full_attention(num_blocks: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+
+
+def decoding(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+
+def recorded(state: Any, session: str) -> list[int]:
+    return np.frombuffer(state.sessions.latest[session].block_ids, np.int32).tolist()
+
+
+def test_each_step_binds_what_it_hands_the_workers() -> None:
+    """A prompt prefilled in chunks, then decoded past a block's end: after every step the
+    session's record is the request's block list, as the scheduler sees it."""
+    engine = scheduler(full_attention(64), max_num_seqs=4, max_num_batched_tokens=2 * BLOCK)
+    state = state_of(engine.kv_cache_manager)
+    request = make_request(tokens(0, 5), session="A", sampling_params=decoding(BLOCK + 4))
+    engine.add_request(request)
+    lengths = []
+    while request.request_id in engine.requests:
+        finished = step(engine)
+        if request.request_id in finished:
+            break
+        ids = list(engine.kv_cache_manager.get_block_ids(request.request_id)[0])
+        assert recorded(state, "A") == ids
+        assert state.sessions.latest["A"].request_id == request.request_id
+        lengths.append(len(ids))
+    assert lengths[:3] == [2, 4, 5]  # three chunks
+    assert max(lengths) == 7  # 80 prompt tokens and 20 decoded: two blocks more
+    record = state.sessions.latest["A"]
+    assert record.request_id is None and record.held == 7 == len(record.block_ids)
+    assert not state.check(idle=True)
+
+
+def test_a_preempted_request_is_bound_afresh_when_it_resumes() -> None:
+    """A pool too small for both requests: one is preempted and resumes with a new block list
+    (the step output's ``resumed_req_ids``); every record still matches."""
+    engine = scheduler(full_attention(12), max_num_seqs=4, max_num_batched_tokens=4 * BLOCK)
+    state = state_of(engine.kv_cache_manager)
+    first = make_request(tokens(0, 4), session="A", sampling_params=decoding(3 * BLOCK))
+    engine.add_request(first)
+    step(engine)
+    second = make_request(tokens(5000, 4), session="B", sampling_params=decoding(3 * BLOCK))
+    engine.add_request(second)
+    preempted = False
+    for _ in range(8 * BLOCK):
+        finished = step(engine)
+        preempted |= RequestStatus.PREEMPTED in (first.status, second.status)
+        for request, session in ((first, "A"), (second, "B")):
+            running = request.request_id in engine.requests and request in engine.running
+            if running and request.request_id not in finished:
+                ids = engine.kv_cache_manager.get_block_ids(request.request_id)[0]
+                assert recorded(state, session) == [HOLE if i == 0 else i for i in ids]
+        if not engine.requests:
+            break
+    assert preempted, "the pool was meant to preempt a request"
+    assert not engine.requests
+    assert not state.check(idle=True)
