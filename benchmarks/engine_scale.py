@@ -1,20 +1,22 @@
-"""The plugin's engine cost at GPU scale, on CPU: vLLM's real ``KVCacheManager`` / ``BlockPool``
-(no model) with GPU-sized pools (blocks of 16 tokens), driven as the scheduler drives them for
-agent traffic: per request, the session's window looked up, allocated in prefill chunks (the
-block ids read as the scheduler reads them for its output), decoded token by token, freed;
-sessions grow turn by turn, compact (the window back to the system prompt and a summary), and
-end (an idle signal) while new ones start.
+"""The plugin's engine cost at GPU scale, on CPU: vLLM's real ``Scheduler`` over its real
+``KVCacheManager`` / ``BlockPool`` (no model) with GPU-sized pools (blocks of 16 tokens), driven
+by agent traffic scaled up: requests of many sessions in flight at once, prefilled in chunks,
+decoded token by token; sessions grow turn by turn, compact (the window back to the system
+prompt and a summary), and end (an idle signal) while new ones start.
 
-Vanilla and the plugin run in one process, rounds alternating: the vanilla manager's pool is
-built with the plugin's ``BlockPool.__init__`` wrapper set aside, so it carries no plugin state
-(its calls pass through the other wrappers at one attribute check each). Reported per cell:
-the scheduler-side time per request (the plugin's request hook, prefix lookup, allocations,
-frees), the ratio, the prompt tokens each side hit, and (``--memory``) what the plugin's own
-structures hold.
+Vanilla and the plugin run in one process, rounds alternating. Vanilla is vLLM as installed:
+its scheduler is built, and its rounds run, with every one of the plugin's wrappers set aside.
+Reported per cell: the scheduler's time per request (``add_request``, ``schedule`` and
+``update_from_output``: what the engine core's step spends outside the model), the ratio, the
+prompt tokens each side hit, and (``--memory``) what the plugin's own structures hold.
+
+``--driver manager`` times the ``KVCacheManager``'s calls alone (prefix lookup, allocations,
+frees, one request at a time), without the scheduler's own work per step: the stricter ratio,
+where the plugin's cost is set against the smallest part of a step.
 
     python -m benchmarks.engine_scale
         [--cells 20000:16384:30,200000:16384:300,200000:131072:40,400000:131072:40]
-        [--hybrid] [--rounds 12] [--memory] [--profile]
+        [--hybrid] [--driver scheduler|manager] [--rounds 12] [--memory] [--profile]
 
 A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
 """
@@ -30,7 +32,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,13 @@ SYSTEM = 4096
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Pool blocks : prompt tokens : sessions (cycling when they hold more than the pool).
 DEFAULT_CELLS = "20000:16384:30,200000:16384:300,200000:131072:40,400000:131072:40"
+MAX_MODEL_LEN = 1 << 18
+WHAT = {
+    "scheduler": "scheduler's time (vLLM's real Scheduler: add_request, schedule, "
+    "update_from_output; requests in flight together)",
+    "manager": "KVCacheManager's time alone (prefix lookup, allocations, frees; one request at "
+    "a time)",
+}
 
 
 @dataclass(frozen=True)
@@ -63,25 +72,41 @@ class Cell:
         )
 
 
-@contextmanager
-def vanilla_pools() -> Iterator[None]:
-    """Block pools built inside are vLLM's own: the plugin's ``BlockPool.__init__`` wrapper is
-    set aside, so no plugin state is attached (the other wrappers then pass straight through)."""
-    from vllm.v1.core.block_pool import BlockPool
+#: The classes the plugin wraps (``vllm_affinity/engine/patches.py``).
+_PATCHED = (
+    "vllm.v1.core.block_pool.BlockPool",
+    "vllm.v1.core.kv_cache_manager.KVCacheManager",
+    "vllm.v1.core.sched.scheduler.Scheduler",
+)
 
-    wrapper = BlockPool.__dict__["__init__"]
-    BlockPool.__init__ = wrapper.__wrapped__  # type: ignore[method-assign]
+
+@contextmanager
+def unpatched() -> Iterator[None]:
+    """vLLM as installed inside: every wrapper the plugin put on its classes is set aside (a
+    pool built inside carries no plugin state; calls made inside pass no wrapper)."""
+    import importlib
+
+    import wrapt
+
+    saved = []
+    for dotted in _PATCHED:
+        module, _, name = dotted.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        for attr, value in list(vars(cls).items()):
+            if isinstance(value, wrapt.FunctionWrapper):
+                saved.append((cls, attr, value))
+                setattr(cls, attr, value.__wrapped__)
     try:
         yield
     finally:
-        BlockPool.__init__ = wrapper  # type: ignore[method-assign]
+        for cls, attr, value in saved:
+            setattr(cls, attr, value)
 
 
-def manager(cell: Cell) -> Any:
-    """vLLM's ``KVCacheManager`` over one full-attention group, or (``hybrid``) gpt-oss's shape:
-    a 128-token sliding window beside full attention."""
+def kv_cache_config(cell: Cell) -> Any:
+    """One full-attention group, or (``hybrid``) gpt-oss's shape: a 128-token sliding window
+    beside full attention."""
     import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -94,13 +119,29 @@ def manager(cell: Cell) -> Any:
     if cell.hybrid:
         specs.insert(0, SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
                                           dtype=torch.float32, sliding_window=128))  # fmt: skip
-    config = KVCacheConfig(
+    return KVCacheConfig(
         num_blocks=cell.pool,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
     )
-    return KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK,
-                          hash_block_size=BLOCK, enable_caching=True)  # fmt: skip
+
+
+def manager(cell: Cell) -> Any:
+    """vLLM's ``KVCacheManager`` over the cell's KV-cache groups."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    return KVCacheManager(kv_cache_config(cell), max_model_len=MAX_MODEL_LEN,
+                          scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+                          enable_caching=True)  # fmt: skip
+
+
+def scheduler(cell: Cell) -> Any:
+    """vLLM's ``Scheduler`` over the cell's KV-cache groups: chunked prefill of ``CHUNK``
+    tokens a step, up to 64 requests running."""
+    from vllm_affinity.testing.scheduling import scheduler as make
+
+    return make(kv_cache_config(cell), max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+                max_num_batched_tokens=CHUNK, block_size=BLOCK)  # fmt: skip
 
 
 @dataclass
@@ -140,75 +181,159 @@ class Traffic:
 
 @dataclass
 class Side:
-    """One side of the comparison: its manager, the time its scheduler-side calls took, the
-    prompt tokens it hit."""
+    """One side of the comparison: its engine (a ``Scheduler``, or a ``KVCacheManager`` for
+    ``--driver manager``), the plugin's state on it (None: vanilla), the prompt tokens it
+    hit."""
 
     name: str
-    kv: Any
+    engine: Any
     state: Any
-    seconds: list[float] = field(default_factory=list)
     hit: int = 0
     requests: int = 0
+    steps: int = 0
     _ids: int = 0
 
-    def serve(self, hasher: Callable[..., Any], session: str, prompt: list[int]) -> None:
+    def vllm_as_installed(self) -> Any:
+        """Vanilla's calls pass no plugin wrapper."""
+        return unpatched() if self.state is None else nullcontext()
+
+    def request(self, hasher: Callable[..., Any], session: str, prompt: list[int]) -> Any:
+        """A request of the session (hashed here, outside the timed calls: both sides hash)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         self._ids += 1
-        request = Request(
+        return Request(
             request_id=f"{self.name}{self._ids}", prompt_token_ids=prompt,
-            sampling_params=SamplingParams(max_tokens=DECODE), pooling_params=None,
-            block_hasher=hasher, session_id=session,
+            sampling_params=SamplingParams(max_tokens=DECODE, ignore_eos=True),
+            pooling_params=None, block_hasher=hasher, session_id=session,
         )  # fmt: skip
-        kv = self.kv
+
+    def scheduler_round(self, traffic: Traffic, hasher: Callable[..., Any], slots: int) -> float:
+        """Every slot's next request through the scheduler, ``slots`` of them in flight; the
+        seconds ``add_request``, ``schedule`` and ``update_from_output`` took."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        engine, clock = self.engine, time.perf_counter
+        sessions, started, elapsed = traffic.cell.sessions, 0, 0.0
+        in_flight: dict[str, tuple[Any, str, bool]] = {}
+        while started < sessions or in_flight:
+            while started < sessions and len(in_flight) < slots:
+                window, session, last = traffic.window(started)
+                request = self.request(hasher, session, window)
+                in_flight[request.request_id] = (request, session, last)
+                started += 1
+                start = clock()
+                engine.add_request(request)
+                elapsed += clock() - start
+            start = clock()
+            output = engine.schedule()
+            elapsed += clock() - start
+            requests = engine.requests
+            ids = list(output.num_scheduled_tokens)
+            runner = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[
+                    [7] if requests[r].num_computed_tokens >= requests[r].num_tokens else []
+                    for r in ids
+                ],
+            )  # fmt: skip
+            start = clock()
+            outputs = engine.update_from_output(output, runner)
+            elapsed += clock() - start
+            self.steps += 1
+            for batch in outputs.values():
+                for out in batch.outputs:
+                    if out.prefill_stats is not None:  # with the request's first token
+                        self.hit += out.prefill_stats.num_local_cached_tokens
+                    if out.finish_reason is None:
+                        continue
+                    _, session, last = in_flight.pop(out.request_id)
+                    self.requests += 1
+                    if last and self.state is not None:
+                        self.state.idle_session(session)
+        return elapsed
+
+    def manager_round(self, traffic: Traffic, hasher: Callable[..., Any], slots: int) -> float:
+        """Every slot's next request on the ``KVCacheManager`` alone, one at a time, as the
+        scheduler calls it; the seconds those calls took (the plugin's binding from the ids
+        the scheduler reads for its output included)."""
+        elapsed = 0.0
+        for slot in range(traffic.cell.sessions):
+            window, session, last = traffic.window(slot)
+            elapsed += self.serve(self.request(hasher, session, window), session)
+            if last and self.state is not None:
+                self.state.idle_session(session)
+        return elapsed
+
+    def serve(self, request: Any, session: str) -> float:
+        kv, state, rid = self.engine, self.state, request.request_id
         start = time.perf_counter()
-        if self.state is not None:
-            self.state.on_new_request(request, release_on_divergence=False)
+        if state is not None:
+            state.on_new_request(request, release_on_divergence=False)
         computed, hit = kv.get_computed_blocks(request)[:2]
         done = hit
         first = True
         while done < request.num_tokens:  # chunked prefill
             step = min(CHUNK, request.num_tokens - done)
-            if first:
-                blocks = kv.allocate_slots(request, step, hit, computed)
-            else:
-                blocks = kv.allocate_slots(request, step)
+            blocks = (
+                kv.allocate_slots(request, step, hit, computed)
+                if first
+                else kv.allocate_slots(request, step)
+            )
             if blocks is None:
                 raise RuntimeError(f"{self.name}: the pool is too small for one request")
             # the scheduler's output: a new request's every block id, a running one's new ones
-            if first:
-                kv.get_blocks(request.request_id).get_block_ids()
-                first = False
-            else:
-                blocks.get_block_ids(allow_none=True)
+            ids = kv.get_blocks(rid).get_block_ids() if first else blocks.get_block_ids(True)
+            if state is not None and ids is not None:  # what the step wrapper binds
+                state.bind_scheduled(session, rid, ids, request.num_prompt_tokens, not first)
+            first = False
             done += step
             request.num_computed_tokens = done
         for _ in range(DECODE):
             request.append_output_token_ids(7)
-            kv.allocate_slots(request, 1).get_block_ids(allow_none=True)
+            ids = kv.allocate_slots(request, 1).get_block_ids(allow_none=True)
+            if state is not None and ids is not None:
+                state.bind_scheduled(session, rid, ids, request.num_prompt_tokens, True)
             request.num_computed_tokens += 1
         kv.free(request)
-        self.seconds.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         self.hit += hit
         self.requests += 1
+        return elapsed
 
 
-def run_cell(
-    cell: Cell, rounds: int, vanilla_kv: Any, plugin_kv: Any, profile: bool = False
-) -> dict[str, Any]:
+def in_flight(cell: Cell) -> int:
+    """Requests the scheduler driver keeps in flight: up to 16, half the sessions, and what
+    half the pool holds at the longest prompt."""
+    per_request = -(-(cell.prompt + DECODE) // BLOCK) * (2 if cell.hybrid else 1)
+    return max(1, min(16, cell.sessions // 2, cell.pool // (2 * per_request)))
+
+
+def build(cell: Cell, driver: str, plugin: bool) -> Side:
+    """One side's engine (vanilla's built with the plugin's wrappers set aside)."""
+    from vllm_affinity.engine import affinity_of
+
+    make = scheduler if driver == "scheduler" else manager
+    with nullcontext() if plugin else unpatched():
+        engine = make(cell)
+    kv = engine.kv_cache_manager if driver == "scheduler" else engine
+    state = affinity_of(kv.block_pool)
+    assert (state is not None) == plugin
+    return Side("plugin" if plugin else "vanilla", engine, state)
+
+
+def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dict[str, Any]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-    from vllm_affinity.engine import affinity_of
-
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    state = affinity_of(plugin_kv.block_pool)
-    assert state is not None and affinity_of(vanilla_kv.block_pool) is None
-    sides = [Side("vanilla", vanilla_kv, None), Side("plugin", plugin_kv, state)]
+    sides = [build(cell, driver, plugin=False), build(cell, driver, plugin=True)]
+    state = sides[1].state
     traffic = {side.name: Traffic(cell) for side in sides}
     per_round: dict[str, list[float]] = {side.name: [] for side in sides}
+    slots = in_flight(cell)
     gc.disable()
     try:
         for round_ in range(rounds):
@@ -216,18 +341,18 @@ def run_cell(
                 profiler = cProfile.Profile() if profile and side.state is not None else None
                 if profiler is not None:
                     profiler.enable()
-                mark = len(side.seconds)
-                for slot in range(cell.sessions):
-                    window, session, last = traffic[side.name].window(slot)
-                    side.serve(hasher, session, window)
-                    if last and side.state is not None:
-                        side.state.idle_session(session)
+                served = side.requests
+                with side.vllm_as_installed():
+                    if driver == "scheduler":
+                        seconds = side.scheduler_round(traffic[side.name], hasher, slots)
+                    else:
+                        seconds = side.manager_round(traffic[side.name], hasher, slots)
                 if profiler is not None:
                     profiler.disable()
                     pstats.Stats(profiler).sort_stats("tottime").print_stats(
-                        "vllm_affinity|queue|block_pool", 30
+                        "vllm_affinity|queue|block_pool|scheduler", 30
                     )
-                per_round[side.name].append(statistics.mean(side.seconds[mark:]))
+                per_round[side.name].append(seconds / max(1, side.requests - served))
                 gc.collect()
             print(
                 f"  round {round_ + 1}/{rounds}: vanilla {per_round['vanilla'][-1] * 1e3:.2f} ms, "
@@ -241,33 +366,33 @@ def run_cell(
     ratios = [p / v for v, p in zip(per_round["vanilla"], per_round["plugin"], strict=True)]
     return {
         "cell": cell.name, "pool_blocks": cell.pool, "prompt_tokens": cell.prompt,
-        "sessions": cell.sessions, "hybrid": cell.hybrid, "rounds": rounds,
+        "sessions": cell.sessions, "hybrid": cell.hybrid, "rounds": rounds, "driver": driver,
+        "in_flight": slots if driver == "scheduler" else 1,
         "vanilla_ms": vanilla * 1e3, "plugin_ms": plugin * 1e3,
         "ratio": statistics.median(ratios[steady]), "round_ratios": ratios,
         "hit_tokens": {s.name: s.hit for s in sides},
+        "steps_per_request": {s.name: s.steps / max(1, s.requests) for s in sides},
         "blocks_predicted": state.stats().blocks_predicted,
         # what the plugin timed of itself on the scheduler path (/metrics), per request
         "plugin_own_ms": state.stats().counter("engine_us") / 1e3 / max(1, sides[1].requests),
     }  # fmt: skip
 
 
-def plugin_memory(cell: Cell, rounds: int) -> float:
+def plugin_memory(cell: Cell, rounds: int, driver: str) -> float:
     """MB the plugin's own code holds after ``rounds`` of the traffic (tracemalloc, counting
     only allocations made in ``vllm_affinity``)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-    from vllm_affinity.engine import affinity_of
-
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     tracemalloc.start()
-    kv = manager(cell)
-    side, traffic = Side("memory", kv, affinity_of(kv.block_pool)), Traffic(cell)
+    side, traffic = build(cell, driver, plugin=True), Traffic(cell)
     for _ in range(rounds):
-        for slot in range(cell.sessions):
-            window, session, _ = traffic.window(slot)
-            side.serve(hasher, session, window)
+        if driver == "scheduler":
+            side.scheduler_round(traffic, hasher, in_flight(cell))
+        else:
+            side.manager_round(traffic, hasher, 1)
     gc.collect()
     snapshot = tracemalloc.take_snapshot().filter_traces(
         [tracemalloc.Filter(True, "*vllm_affinity*")]
@@ -293,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default=DEFAULT_CELLS)
     parser.add_argument("--hybrid", action="store_true", help="also every cell on a hybrid spec")
+    parser.add_argument("--driver", choices=("scheduler", "manager"), default="scheduler")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument(
@@ -311,13 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for cell in cells:
         print(f"{cell.name}:", flush=True)
-        with vanilla_pools():
-            vanilla_kv = manager(cell)
-        row = run_cell(cell, args.rounds, vanilla_kv, manager(cell), args.profile)
-        del vanilla_kv
+        row = run_cell(cell, args.rounds, args.driver, args.profile)
         gc.collect()
         if args.memory:
-            row["plugin_mb"] = plugin_memory(cell, args.rounds)
+            row["plugin_mb"] = plugin_memory(cell, args.rounds, args.driver)
         rows.append(row)
     command = " ".join(
         ["python -m benchmarks.engine_scale", *(argv if argv is not None else sys.argv[1:])]
@@ -325,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Command: `{command}`",
         "",
-        "The plugin's scheduler-side time per request at GPU scale (vLLM's real KVCacheManager, "
-        f"blocks of {BLOCK} tokens, prefill chunks of {CHUNK}, {DECODE} tokens decoded per turn)",
+        f"The {WHAT[args.driver]} per request at GPU scale (blocks of {BLOCK} tokens, prefill "
+        f"chunks of {CHUNK}, {DECODE} tokens decoded per turn; vanilla: vLLM as installed)",
         "",
         "| cell | vanilla ms / request | plugin ms / request | ratio | the plugin's own ms / "
         "request | prompt tokens hit (vanilla / plugin) | plugin MB |",

@@ -384,6 +384,26 @@ class SegmentedFreeBlockQueue:
             yield node
             node = node.next_free_block
 
+    def normal_lru_head(self, n: int) -> list[Block]:
+        """The first ``n`` of ``normal_lru``."""
+        out: list[Block] = []
+        node = self._normal_head.next_free_block
+        while len(out) < n and not isinstance(node, _Sentinel):
+            out.append(node)
+            node = node.next_free_block
+        return out
+
+    def normal_until_in_use(self, blocks: Iterable[Block]) -> tuple[list[Block], bool]:
+        """The queued NORMAL ones of ``blocks``, in order, up to the first not queued at all (in
+        use); and whether there was one."""
+        mark, out = self._mark, list[Block]()
+        for block in blocks:
+            if block.prev_free_block is None:
+                return out, True
+            if not mark[block.block_id] and block.block_hash is not None:
+                out.append(block)
+        return out, False
+
     def is_normal(self, block: Block) -> bool:
         """Whether the block is queued in NORMAL (``segment_of`` without the enum, for loops)."""
         return (

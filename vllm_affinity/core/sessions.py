@@ -53,7 +53,7 @@ HOLE = -1
 #: left the table (another session, as far as a new holder is concerned).
 _NOBODY, _GONE = -1, -2
 #: Up to this many blocks, a hold or unbind goes block by block (numpy's set-up costs more).
-_FEW = 24
+FEW_BLOCKS = 24
 
 
 def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
@@ -116,7 +116,7 @@ class SessionBlocks:
         self.evicted = 0
         self._views: _Views | None = None
         #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
-        self.few = _FEW
+        self.few = FEW_BLOCKS
         self._ensure(capacity)
 
     def __len__(self) -> int:
@@ -202,7 +202,10 @@ class SessionBlocks:
             or len(old.block_ids) != held
         ):
             return False
-        self._hold(session, old, self._as_ids(new_ids))
+        if isinstance(new_ids, list) and len(new_ids) <= self.few:
+            self._hold(session, old, self._fitted(new_ids))
+        else:
+            self._hold(session, old, self._as_ids(new_ids))
         old.num_prompt_tokens = prompt
         self.latest.move_to_end(session)
         return True
@@ -246,8 +249,7 @@ class SessionBlocks:
         if len(block_ids) <= self.few:
             self._unbind_few(block_ids)
             return
-        ids = np.asarray(block_ids, np.int32)
-        ids = ids[(ids >= 0) & (ids < len(self._holders))]
+        ids = self._as_ids(block_ids)  # vLLM's ids: never negative
         # Only a block whose current content some record held (a first holder: set by every
         # hold, cleared only here) can have a record entry still valid: the others' entries
         # are stale already, and a fresh block from vLLM's free list changes nothing.
@@ -325,6 +327,11 @@ class SessionBlocks:
     def own_tail_first(self, session: str, chunk: int = 256) -> Iterator[int]:
         """``select_idle``'s blocks, lazily, a chunk at a time: a caller that needs the first
         few of a long record (the predicted-return picker) reads only those."""
+        for batch in self.own_tail_chunks(session, chunk):
+            yield from batch
+
+    def own_tail_chunks(self, session: str, chunk: int = 256) -> Iterator[list[int]]:
+        """``own_tail_first`` a list at a time (from ``chunk`` entries of the record each)."""
         record = self.latest.get(session)
         if record is None or record.request_id is not None:
             return
@@ -339,7 +346,8 @@ class SessionBlocks:
             part, live = self._live(record, max(0, end - chunk), end)
             batch = part[live & self._alone(part)][::-1].tolist()
             del part, live  # no view of the record outlives a step: the record may grow
-            yield from batch
+            if batch:
+                yield batch
 
     def unreused(self, session: str, first_block: int) -> list[int]:
         """The blocks of ``session``'s latest request from ``first_block`` on that still hold the
@@ -381,12 +389,25 @@ class SessionBlocks:
         """Block ids as an int32 array, the per-block arrays large enough for them."""
         ids = np.asarray(block_ids, np.int32)
         if ids.size:
-            self._ensure(int(ids.max()) + 1)
+            top = int(ids.max())
+            if top >= len(self._holders):
+                self._ensure(top + 1)
         return ids
+
+    def _fitted(self, block_ids: list[int]) -> list[int]:
+        """A few block ids as they are, the per-block arrays large enough for them."""
+        if block_ids:
+            top = max(block_ids)
+            if top >= len(self._holders):
+                self._ensure(top + 1)
+        return block_ids
 
     def _generations_of(self, ids: np.ndarray) -> np.ndarray:
         """The blocks' generations now (0 at a ``HOLE``)."""
         generation = self._v.generation
+        if not ids.size or ids.min() >= 0:  # no hole: a full-attention group's
+            now: np.ndarray = generation[ids]
+            return now
         return np.where(ids != HOLE, generation[np.maximum(ids, 0)], 0).astype(np.uint32)
 
     def _live(self, record: SessionRecord, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -427,9 +448,11 @@ class SessionBlocks:
         self._owners = keep
         self._owner_index = {owner: i for i, owner in enumerate(keep)}
 
-    def _hold(self, session: str, record: SessionRecord, ids: np.ndarray) -> None:
+    def _hold(self, session: str, record: SessionRecord, ids: np.ndarray | list[int]) -> None:
         owner = self._owner(session)
-        if ids.size <= self.few:  # a decode step's block: a few Python steps beat numpy's set-up
+        if isinstance(ids, list):
+            self._hold_few(owner, record, ids)
+        elif ids.size <= self.few:  # a decode step's block: a few Python steps beat numpy's set-up
             self._hold_few(owner, record, ids.tolist())
         else:
             views = self._v

@@ -10,7 +10,6 @@ process boundary.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -54,6 +53,7 @@ from ..core.request_keys import (
     REWRITE_KEY,
 )
 from ..core.returns import ReturnPredictor, swap_for
+from ..core.sessions import FEW_BLOCKS
 from ..core.siblings import SiblingStarts
 from ..core.subagents import FamilyChange, Subagents
 from ..core.tenants import scoped
@@ -172,7 +172,7 @@ class PoolAffinity:
         self,
         session: str,
         request_id: str,
-        grown: list[np.ndarray],
+        grown: list[np.ndarray | list[int]],
         already: tuple[int, ...] | None,
         prompt: int,
         whole: Sequence[list[Any]] | None,
@@ -187,7 +187,7 @@ class PoolAffinity:
             start = already[position] if already else 0
             lengths.append(start + len(ids))
             if self.queue.num_pending:  # live users again: not RELEASED when freed
-                self.queue.cancel_pending_many(ids.tolist())
+                self.queue.cancel_pending_many(ids if isinstance(ids, list) else ids.tolist())
             if not start:
                 table.record(session, ids, prompt, request_id)
             elif not table.grow(session, request_id, start, ids, prompt):
@@ -201,10 +201,14 @@ class PoolAffinity:
         """The blocks' ids, ``HOLE`` for the null block."""
         return self._id_array([block.block_id for block in blocks])
 
-    def _id_array(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Block ids as an array, ``HOLE`` for the null block's."""
+    def _id_array(self, block_ids: Sequence[int]) -> np.ndarray | list[int]:
+        """Block ids, ``HOLE`` for the null block's: an array, or a list of a few (a decode
+        step's block: Python steps beat numpy's set-up)."""
+        null = self._null_id
+        if len(block_ids) <= FEW_BLOCKS:
+            return [HOLE if block_id == null else block_id for block_id in block_ids]
         ids = np.fromiter(block_ids, np.int32, len(block_ids))
-        ids[ids == self._null_id] = HOLE  # a sliding window's or a Mamba group's
+        ids[ids == null] = HOLE  # a sliding window's or a Mamba group's
         return ids
 
     def is_bound(self, request_id: str) -> bool:
@@ -640,44 +644,59 @@ class PoolAffinity:
     def pick(self, take: int) -> list[Any]:
         """The queue's picker (``core/returns.py``), once per pop, for its ``take`` live blocks:
         LRU's victims in order, except that where one is a block a single session alone holds,
-        the deepest own live block of the session predicted back last goes instead, unless
-        that session is due back before the victim's (``swap_for``)."""
+        the deepest own live blocks of the sessions predicted back last go first, as long as
+        each is due back no sooner than the victim's session (``swap_for``).
+
+        The candidates come due-ordered (latest first), so the ones that go before a victim
+        are a run from the head of what is left: taken a run at a time, not asked block by
+        block."""
         assert self.returns is not None
         due_of = self.returns.due
-        lru = list(itertools.islice(self.queue.normal_lru(), take))
+        lru = self.queue.normal_lru_head(take)
         spared = self._sole_holders([block.block_id for block in lru])
         dues: dict[str, float] = {}  # each spared session's due (no change during a pop)
         inf = float("inf")
-        is_normal = self.queue.is_normal
         picked: list[Any] = []
         taken: set[int] = set()
-        victims: Iterator[tuple[float, Any]] | None = None
-        item: tuple[float, Any] | None = None  # the next candidate, kept until it is taken
+        runs: Iterator[tuple[float, list[Any]]] | None = None
+        run: list[Any] = []  # the head run of candidates (one session's, due ``run_due``)
+        run_due, at = inf, 0
         swapped = 0
         for victim, owner in zip(lru, spared, strict=True):
-            while victim.block_id not in taken:  # LRU's victim stays until it is taken itself
-                if len(picked) == take:
+            if len(picked) == take:
+                break
+            if victim.block_id in taken:
+                continue  # taken already, as a candidate
+            due = inf if owner is None else dues.get(owner)
+            if due is None:
+                due = dues[owner] = due_of(owner)
+            while due != inf and len(picked) < take:  # gone or not known: no swap, no stream
+                if at == len(run):
+                    if runs is None:
+                        runs = self._candidate_runs()
+                    run_due, run = next(runs, (inf, []))
+                    at = 0
+                    if not run:
+                        break
+                    continue
+                if not swap_for(run_due, due):
                     break
-                if owner is None:
-                    due = inf
-                elif owner in dues:
-                    due = dues[owner]
-                else:
-                    due = dues[owner] = due_of(owner)
-                if due != inf:  # gone or not known: no swap (``swap_for``), no stream
-                    if victims is None:
-                        victims = self._victim_stream()
-                    while item is None or item[1].block_id in taken or not is_normal(item[1]):
-                        item = next(victims, None)
-                        if item is None:
-                            break
-                if due == inf or item is None or not swap_for(item[0], due):
-                    chosen = victim
-                else:
-                    chosen, item = item[1], None
-                    swapped += chosen is not victim
-                picked.append(chosen)
-                taken.add(chosen.block_id)
+                room, reached = take - len(picked), False
+                while at < len(run) and room and not reached:
+                    block = run[at]
+                    at += 1
+                    if block.block_id in taken:
+                        continue  # LRU's victim already
+                    picked.append(block)
+                    taken.add(block.block_id)
+                    reached = block is victim
+                    swapped += not reached
+                    room -= 1
+                if reached:
+                    break
+            if len(picked) < take and victim.block_id not in taken:
+                picked.append(victim)
+                taken.add(victim.block_id)
         if swapped:
             self.counters.add("blocks_predicted", swapped)
         return picked
@@ -689,22 +708,22 @@ class PoolAffinity:
             found = [a or b for a, b in zip(found, table.sole_holders(block_ids), strict=True)]
         return found
 
-    def _victim_stream(self) -> Iterator[tuple[float, Any]]:
-        """(due, block): the candidates' own live blocks, the session due back last first,
-        each session's tail first (every group)."""
+    def _candidate_runs(self) -> Iterator[tuple[float, list[Any]]]:
+        """(due, blocks): the candidates' own queued NORMAL blocks, the session due back last
+        first, each session's tail first (every group), a run at a time."""
         assert self.returns is not None
-        blocks, is_normal = self.pool.blocks, self.queue.is_normal
+        blocks = self.pool.blocks
         for session in self.returns.back_last_first():
             due = self.returns.due(session)
             for table in self.tables:
-                for block_id in table.own_tail_first(session):
-                    block = blocks[block_id]
-                    if is_normal(block):
-                        yield due, block
-                    elif block.ref_cnt > 0:
-                        # in use: a running request hit the record up to here, and prefix hits
-                        # are prefix-closed, so every block before it is in use too (the
-                        # session allocating now: it called last, so it is walked first)
+                for batch in table.own_tail_chunks(session):
+                    run, in_use = self.queue.normal_until_in_use(map(blocks.__getitem__, batch))
+                    if run:
+                        yield due, run
+                    if in_use:
+                        # a running request hit the record up to here, and prefix hits are
+                        # prefix-closed, so every block before it is in use too (the session
+                        # allocating now: it called last, so it is walked first)
                         break
 
     def group_stats(self) -> list[GroupStats]:
