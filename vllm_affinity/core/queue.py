@@ -41,7 +41,7 @@ FREE write no mark and read no hash.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import IntEnum
 from time import perf_counter_ns
 from typing import Any, Protocol
@@ -384,24 +384,18 @@ class SegmentedFreeBlockQueue:
             yield node
             node = node.next_free_block
 
-    def normal_lru_head(self, n: int) -> list[Block]:
-        """The first ``n`` of ``normal_lru``."""
-        out: list[Block] = []
-        node = self._normal_head.next_free_block
-        while len(out) < n and not isinstance(node, _Sentinel):
-            out.append(node)
-            node = node.next_free_block
-        return out
-
-    def normal_until_in_use(self, blocks: Iterable[Block]) -> tuple[list[Block], bool]:
-        """The queued NORMAL ones of ``blocks``, in order, up to the first not queued at all (in
-        use); and whether there was one."""
-        mark, out = self._mark, list[Block]()
-        for block in blocks:
+    def normal_until_in_use(
+        self, block_ids: Iterable[int], blocks: Sequence[Block]
+    ) -> tuple[list[int], bool]:
+        """The ids of the queued NORMAL ones of these blocks (``blocks``: every block by id),
+        in order, up to the first not queued at all (in use); and whether there was one."""
+        mark, out = self._mark, list[int]()
+        for block_id in block_ids:
+            block = blocks[block_id]
             if block.prev_free_block is None:
                 return out, True
-            if not mark[block.block_id] and block.block_hash is not None:
-                out.append(block)
+            if not mark[block_id] and block.block_hash is not None:
+                out.append(block_id)
         return out, False
 
     def is_normal(self, block: Block) -> bool:

@@ -89,6 +89,10 @@ class ReturnPredictor:
     _requests: HintedRate = field(default_factory=HintedRate)  # requests per hinted second
     _hinted_run: dict[str, int] = field(default_factory=dict)  # hinted calls in a row (0 too)
     _silent: set[str] = field(default_factory=set)  # fell silent after SILENT_AFTER hints
+    #: Dues and the candidates' order worked out since the last call or forget (the picker
+    #: asks once per pop, and several pops may come between two calls).
+    _dues: dict[str, float] = field(default_factory=dict)
+    _order: tuple[int, list[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -100,6 +104,7 @@ class ReturnPredictor:
     def called(self, session: str, next_use: float | None = None) -> None:
         """A request of ``session`` reached the engine (``next_use``: its hint, seconds): the
         clock ticks and its absence is learned."""
+        self._changed()
         last = self._last.pop(session, None)
         hinted = self._hinted.pop(session, None)
         if last is not None:
@@ -123,11 +128,16 @@ class ReturnPredictor:
     def forget(self, session: str) -> None:
         """``session`` is over (a subagent's end): what it leaves cached is its family's now
         (the start its siblings share), not a session's that could be due back."""
+        self._changed()
         self._last.pop(session, None)
         self._gaps.pop(session, None)
         self._hinted.pop(session, None)
         self._hinted_run.pop(session, None)
         self._silent.discard(session)
+
+    def _changed(self) -> None:
+        self._dues.clear()
+        self._order = None
 
     def hinted(self, session: str) -> bool:
         """Whether ``session``'s last call said when it is back (a hint of more than 0 s)."""
@@ -136,6 +146,13 @@ class ReturnPredictor:
     def due(self, session: str) -> float:
         """When ``session`` is expected to call again (``inf`` when it fell silent or is not
         known: not at all, so its blocks stay in LRU's order, ``swap_for``)."""
+        known = self._dues.get(session)
+        if known is not None:
+            return known
+        due = self._dues[session] = self._due(session)
+        return due
+
+    def _due(self, session: str) -> float:
         last = self._last.get(session)
         if last is None or session in self._silent:
             return float("inf")
@@ -152,6 +169,10 @@ class ReturnPredictor:
         called last (a tool loop's just-finished call is due back last among its peers) and
         the ``limit`` that called least recently (the most overdue); bounded work per pick,
         whatever the number of sessions."""
+        if self._order is not None and self._order[0] == limit:
+            return self._order[1]
         recent = list(itertools.islice(reversed(self._last), limit))
         oldest = itertools.islice(self._last, min(limit, max(0, len(self._last) - limit)))
-        return sorted([*recent, *oldest], key=self.due, reverse=True)
+        order = sorted([*recent, *oldest], key=self.due, reverse=True)
+        self._order = (limit, order)
+        return order

@@ -335,17 +335,22 @@ class SessionBlocks:
         record = self.latest.get(session)
         if record is None or record.request_id is not None:
             return
-        ids, generations, generation = record.block_ids, record.generations, self._generation
-        held = record.held
-        while held and (
-            ids[held - 1] == HOLE or generation[ids[held - 1]] != generations[held - 1]
-        ):
-            held -= 1  # a tail that holds nothing any more (reused: never again) is cut off
-        record.held = held  # the picker walks this tail once per pop: no re-walk of the cut
-        for end in range(held, 0, -chunk):
-            part, live = self._live(record, max(0, end - chunk), end)
-            batch = part[live & self._alone(part)][::-1].tolist()
-            del part, live  # no view of the record outlives a step: the record may grow
+        views = self._v
+        end = record.held
+        while end > 0:
+            start = max(0, end - chunk)
+            part, live = self._live(record, start, end)
+            if end == record.held and not live[-1]:
+                # a tail that holds nothing any more (reused: never again) is cut off: the
+                # picker walks it once per pop; the chunks start again at the new tail
+                alive = np.flatnonzero(live)
+                end = record.held = start + int(alive[-1]) + 1 if alive.size else start
+                continue
+            part = part[live]
+            own = part[(views.holders[part] == 1) & (views.shared[part] == 0)]
+            batch = own[::-1].tolist()
+            del part, live, own  # no view of the record outlives a step: the record may grow
+            end = start
             if batch:
                 yield batch
 

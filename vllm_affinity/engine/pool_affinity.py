@@ -10,6 +10,7 @@ process boundary.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -52,13 +53,16 @@ from ..core.request_keys import (
     RETRY_KEY,
     REWRITE_KEY,
 )
-from ..core.returns import ReturnPredictor, swap_for
+from ..core.returns import ReturnPredictor
 from ..core.sessions import FEW_BLOCKS
 from ..core.siblings import SiblingStarts
 from ..core.subagents import FamilyChange, Subagents
 from ..core.tenants import scoped
 from ..settings import Settings
 from .checkpoints import InstructionCheckpoints, has_sparse_groups
+
+#: LRU victims the picker reads at a time (and the fewest record entries of a candidate).
+_VICTIM_CHUNK = 64
 
 
 class PoolAffinity:
@@ -651,55 +655,68 @@ class PoolAffinity:
         are a run from the head of what is left: taken a run at a time, not asked block by
         block."""
         assert self.returns is not None
-        due_of = self.returns.due
-        lru = self.queue.normal_lru_head(take)
-        spared = self._sole_holders([block.block_id for block in lru])
-        dues: dict[str, float] = {}  # each spared session's due (no change during a pop)
+        lru = itertools.islice(self.queue.normal_lru(), take)
         inf = float("inf")
         picked: list[Any] = []
         taken: set[int] = set()
-        runs: Iterator[tuple[float, list[Any]]] | None = None
-        run: list[Any] = []  # the head run of candidates (one session's, due ``run_due``)
-        run_due, at = inf, 0
+        runs: Iterator[tuple[float, list[int]]] | None = None
+        run: list[int] = []  # the head run of candidates (one session's, due ``run_due``)
+        run_due, at, exhausted = inf, 0, False
         swapped = 0
-        for victim, owner in zip(lru, spared, strict=True):
+        blocks = self.pool.blocks
+        for victim, due in self._victims(lru):
             if len(picked) == take:
                 break
-            if victim.block_id in taken:
+            victim_id = victim.block_id
+            if victim_id in taken:
                 continue  # taken already, as a candidate
-            due = inf if owner is None else dues.get(owner)
-            if due is None:
-                due = dues[owner] = due_of(owner)
-            while due != inf and len(picked) < take:  # gone or not known: no swap, no stream
+            # gone or not known (``inf``): no swap (``swap_for``), no stream
+            while due != inf and not exhausted and len(picked) < take:
                 if at == len(run):
                     if runs is None:
-                        runs = self._candidate_runs()
+                        runs = self._candidate_runs(max(_VICTIM_CHUNK, take))
                     run_due, run = next(runs, (inf, []))
-                    at = 0
-                    if not run:
-                        break
+                    at, exhausted = 0, not run
                     continue
-                if not swap_for(run_due, due):
+                if run_due < due:  # ``swap_for`` of a finite due: the candidate is back sooner
                     break
+                # the run's next candidates, up to the victim itself (then it is taken)
                 room, reached = take - len(picked), False
                 while at < len(run) and room and not reached:
-                    block = run[at]
-                    at += 1
-                    if block.block_id in taken:
-                        continue  # LRU's victim already
-                    picked.append(block)
-                    taken.add(block.block_id)
-                    reached = block is victim
-                    swapped += not reached
-                    room -= 1
+                    part = run[at : at + room]
+                    if victim_id in part:
+                        part = part[: part.index(victim_id) + 1]
+                        reached = True
+                    at += len(part)
+                    if not taken.isdisjoint(part):
+                        part = [b for b in part if b not in taken]  # LRU's victims already
+                    picked.extend(map(blocks.__getitem__, part))
+                    taken.update(part)
+                    room -= len(part)
+                    swapped += len(part) - reached
                 if reached:
                     break
-            if len(picked) < take and victim.block_id not in taken:
+            if len(picked) < take and victim_id not in taken:
                 picked.append(victim)
-                taken.add(victim.block_id)
+                taken.add(victim_id)
         if swapped:
             self.counters.add("blocks_predicted", swapped)
         return picked
+
+    def _victims(self, lru: Iterator[Any]) -> Iterator[tuple[Any, float]]:
+        """LRU's victims, each with the due of the session alone holding it (``inf``: none),
+        read a chunk at a time: a pop's first victims often decide it."""
+        assert self.returns is not None
+        due_of, inf = self.returns.due, float("inf")
+        dues: dict[str | None, float] = {None: inf}  # no change during a pop
+        while chunk := list(itertools.islice(lru, _VICTIM_CHUNK)):
+            for victim, owner in zip(
+                chunk, self._sole_holders([b.block_id for b in chunk]), strict=True
+            ):
+                due = dues.get(owner)
+                if due is None:
+                    due = dues[owner] = due_of(owner)  # type: ignore[arg-type]
+                yield victim, due
 
     def _sole_holders(self, block_ids: list[int]) -> list[str | None]:
         """Per block, the session alone holding it in some group (``sole_holders``)."""
@@ -708,16 +725,17 @@ class PoolAffinity:
             found = [a or b for a, b in zip(found, table.sole_holders(block_ids), strict=True)]
         return found
 
-    def _candidate_runs(self) -> Iterator[tuple[float, list[Any]]]:
-        """(due, blocks): the candidates' own queued NORMAL blocks, the session due back last
-        first, each session's tail first (every group), a run at a time."""
+    def _candidate_runs(self, chunk: int) -> Iterator[tuple[float, list[int]]]:
+        """(due, block ids): the candidates' own queued NORMAL blocks, the session due back
+        last first, each session's tail first (every group), a run of up to ``chunk`` record
+        entries at a time."""
         assert self.returns is not None
         blocks = self.pool.blocks
         for session in self.returns.back_last_first():
             due = self.returns.due(session)
             for table in self.tables:
-                for batch in table.own_tail_chunks(session):
-                    run, in_use = self.queue.normal_until_in_use(map(blocks.__getitem__, batch))
+                for batch in table.own_tail_chunks(session, chunk):
+                    run, in_use = self.queue.normal_until_in_use(batch, blocks)
                     if run:
                         yield due, run
                     if in_use:
