@@ -58,8 +58,11 @@ FEW_BLOCKS = 24
 
 def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
     """The length of the longest common prefix of two equally long arrays."""
-    differ = np.flatnonzero(a != b)
-    return int(differ[0]) if differ.size else len(a)
+    if not len(a):
+        return 0
+    differ = a != b
+    first = int(differ.argmax())
+    return first if differ[first] else len(a)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,8 @@ class SessionBlocks:
     and checked in a few vectorised steps (numpy views of the arrays) rather than a Python step
     per block: at GPU scale a request brings thousands. Per block of the pool: 13 bytes."""
 
-    def __init__(self, max_sessions: int = 100_000, capacity: int = 0) -> None:
+    def __init__(self, max_sessions: int = 100_000, capacity: int = 0, dense: bool = False) -> None:
+        """``dense``: a full-attention group's table, whose records never have a ``HOLE``."""
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self.latest: OrderedDict[str, SessionRecord] = OrderedDict()
@@ -117,6 +121,7 @@ class SessionBlocks:
         self._views: _Views | None = None
         #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
         self.few = FEW_BLOCKS
+        self._dense = dense
         self._ensure(capacity)
 
     def __len__(self) -> int:
@@ -143,7 +148,7 @@ class SessionBlocks:
         ids = self._as_ids(block_ids)
         old = self.latest.get(session)
         running = old is not None and old.request_id is not None and old.request_id == request_id
-        if running and (ids == HOLE).any():  # a full-attention table never has one
+        if running and not self._dense and (ids == HOLE).any():
             assert old is not None
             ids = self._kept_where_dropped(old, ids)
         if (
@@ -410,7 +415,7 @@ class SessionBlocks:
     def _generations_of(self, ids: np.ndarray) -> np.ndarray:
         """The blocks' generations now (0 at a ``HOLE``)."""
         generation = self._v.generation
-        if not ids.size or ids.min() >= 0:  # no hole: a full-attention group's
+        if self._dense or not ids.size or ids.min() >= 0:  # no hole
             now: np.ndarray = generation[ids]
             return now
         return np.where(ids != HOLE, generation[np.maximum(ids, 0)], 0).astype(np.uint32)
@@ -420,6 +425,8 @@ class SessionBlocks:
         content it recorded."""
         ids = np.frombuffer(record.block_ids, np.int32)[start:end].copy()
         recorded = np.frombuffer(record.generations, np.uint32)[start:end]
+        if self._dense:
+            return ids, self._generations_of(ids) == recorded
         return ids, (ids != HOLE) & (self._generations_of(ids) == recorded)
 
     def _alone(self, ids: np.ndarray) -> np.ndarray:
@@ -461,7 +468,7 @@ class SessionBlocks:
             self._hold_few(owner, record, ids.tolist())
         else:
             views = self._v
-            holes = bool(ids.min() < 0)
+            holes = not self._dense and bool(ids.min() < 0)
             generations = self._generations_of(ids) if holes else views.generation[ids]
             record.block_ids.frombytes(ids.astype(np.int32, copy=False).tobytes())
             record.generations.frombytes(generations.tobytes())

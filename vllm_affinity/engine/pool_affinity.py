@@ -45,6 +45,7 @@ from ..core.counters import Counters
 from ..core.groups import KVGroup
 from ..core.idle_guard import IdleGuard
 from ..core.request_keys import (
+    DENSE_KINDS,
     HEAD_KEY,
     HINT_KEY,
     NEXT_USE_KEY,
@@ -119,7 +120,8 @@ class PoolAffinity:
             raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
         self.groups = groups
         self.tables = tuple(
-            SessionBlocks(self._max_sessions, self.pool.num_gpu_blocks) for _ in groups
+            SessionBlocks(self._max_sessions, self.pool.num_gpu_blocks, g.kind in DENSE_KINDS)
+            for g in groups
         )
         #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
         self.checkpoints = (
@@ -153,7 +155,7 @@ class PoolAffinity:
         already = self._bound.get(request_id) if appended else None
         if appended and already is None:
             return  # never bound whole (bound when it frees its blocks)
-        grown = [self._id_array(block_ids[g.index]) for g in self.groups]
+        grown = [self._id_array(block_ids[g.index], g.kind in DENSE_KINDS) for g in self.groups]
         self._bind(session, request_id, grown, already, prompt, whole=None)
 
     def bind_request(
@@ -203,16 +205,17 @@ class PoolAffinity:
 
     def _ids(self, blocks: Sequence[Any]) -> np.ndarray:
         """The blocks' ids, ``HOLE`` for the null block."""
-        return self._id_array([block.block_id for block in blocks])
+        return self._id_array([block.block_id for block in blocks], dense=False)
 
-    def _id_array(self, block_ids: Sequence[int]) -> np.ndarray | list[int]:
+    def _id_array(self, block_ids: Sequence[int], dense: bool) -> np.ndarray | list[int]:
         """Block ids, ``HOLE`` for the null block's: an array, or a list of a few (a decode
         step's block: Python steps beat numpy's set-up)."""
         null = self._null_id
         if len(block_ids) <= FEW_BLOCKS:
             return [HOLE if block_id == null else block_id for block_id in block_ids]
         ids = np.fromiter(block_ids, np.int32, len(block_ids))
-        ids[ids == null] = HOLE  # a sliding window's or a Mamba group's
+        if not dense:  # ``dense``: a full-attention group's, never the null block
+            ids[ids == null] = HOLE  # a sliding window's or a Mamba group's
         return ids
 
     def is_bound(self, request_id: str) -> bool:
