@@ -516,10 +516,9 @@ class SessionBlocks:
                 counts = holders[held] - 1
                 holders[held] = counts
                 self.bindings -= int(held.size)
-                gone = counts == 0
-                shared = self._v.shared[held] != 0
-                kept = int((~gone).sum() + (gone & shared).sum())
-                released = held[gone & ~shared].tolist()
+                dead = (counts == 0) & (self._v.shared[held] == 0)  # held by no one, ever
+                released = held[dead].tolist()
+                kept = int(held.size) - len(released)
         record.held = min(record.held, first)
         return released, kept
 
