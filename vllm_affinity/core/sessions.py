@@ -85,6 +85,9 @@ class SessionRecord:
     generations: array[int]
     num_prompt_tokens: int
     held: int = 0
+    #: Where the picker's walk starts: the entries from here on hold none of the session's
+    #: own blocks (shared ones stay shared until reused, reused ones never come back).
+    own_end: int = sys.maxsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +292,8 @@ class SessionBlocks:
 
     def sole_holders(self, block_ids: Sequence[int]) -> list[str | None]:
         """``sole_holder`` of each block, at once."""
+        if len(block_ids) <= self.few:
+            return [self.sole_holder(block_id) for block_id in block_ids]
         ids = np.asarray(block_ids, np.int32)
         sole = ids < len(self._holders)  # beyond the arrays: held by nobody
         ids = np.where(sole, ids, 0)
@@ -336,12 +341,14 @@ class SessionBlocks:
             yield from batch
 
     def own_tail_chunks(self, session: str, chunk: int = 256) -> Iterator[list[int]]:
-        """``own_tail_first`` a list at a time (from ``chunk`` entries of the record each)."""
+        """``own_tail_first`` a list at a time, one per ``chunk`` entries of the record read
+        (empty where they hold none of its own)."""
         record = self.latest.get(session)
         if record is None or record.request_id is not None:
             return
         views = self._v
-        end = record.held
+        end = min(record.held, record.own_end)
+        tail = True  # no own block found yet from the end
         while end > 0:
             start = max(0, end - chunk)
             part, live = self._live(record, start, end)
@@ -355,9 +362,11 @@ class SessionBlocks:
             own = part[(views.holders[part] == 1) & (views.shared[part] == 0)]
             batch = own[::-1].tolist()
             del part, live, own  # no view of the record outlives a step: the record may grow
+            tail = tail and not batch
+            if tail:
+                record.own_end = start  # the next walk starts below
             end = start
-            if batch:
-                yield batch
+            yield batch  # empty too: the caller counts what it read
 
     def unreused(self, session: str, first_block: int) -> list[int]:
         """The blocks of ``session``'s latest request from ``first_block`` on that still hold the

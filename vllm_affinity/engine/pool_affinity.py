@@ -64,6 +64,8 @@ from .checkpoints import InstructionCheckpoints, has_sparse_groups
 
 #: LRU victims the picker reads at a time (and the fewest record entries of a candidate).
 _VICTIM_CHUNK = 64
+#: Record chunks the picker reads per pop at most (of up to 1,024 entries each).
+_CANDIDATE_CHUNKS = 16
 
 
 class PoolAffinity:
@@ -667,7 +669,7 @@ class PoolAffinity:
         run_due, at, exhausted = inf, 0, False
         swapped = 0
         blocks = self.pool.blocks
-        for victim, due in self._victims(lru):
+        for victim, due in self._victims(lru, take):
             if len(picked) == take:
                 break
             victim_id = victim.block_id
@@ -675,14 +677,16 @@ class PoolAffinity:
                 continue  # taken already, as a candidate
             # gone or not known (``inf``): no swap (``swap_for``), no stream
             while due != inf and not exhausted and len(picked) < take:
-                if at == len(run):
-                    if runs is None:
-                        runs = self._candidate_runs(max(_VICTIM_CHUNK, take))
-                    run_due, run = next(runs, (inf, []))
-                    at, exhausted = 0, not run
-                    continue
-                if run_due < due:  # ``swap_for`` of a finite due: the candidate is back sooner
+                if run_due < due:  # ``swap_for`` of a finite due: the candidates are back sooner
                     break
+                if at == len(run):  # a session's due comes before its record is read
+                    if runs is None:
+                        runs = self._candidate_runs(take)
+                    head = next(runs, None)
+                    exhausted = head is None
+                    run_due, run = head or (inf, [])
+                    at = 0
+                    continue
                 # the run's next candidates, up to the victim itself (then it is taken)
                 room, reached = take - len(picked), False
                 while at < len(run) and room and not reached:
@@ -706,13 +710,14 @@ class PoolAffinity:
             self.counters.add("blocks_predicted", swapped)
         return picked
 
-    def _victims(self, lru: Iterator[Any]) -> Iterator[tuple[Any, float]]:
+    def _victims(self, lru: Iterator[Any], take: int | None = None) -> Iterator[tuple[Any, float]]:
         """LRU's victims, each with the due of the session alone holding it (``inf``: none),
         read a chunk at a time: a pop's first victims often decide it."""
         assert self.returns is not None
         due_of, inf = self.returns.due, float("inf")
         dues: dict[str | None, float] = {None: inf}  # no change during a pop
-        while chunk := list(itertools.islice(lru, _VICTIM_CHUNK)):
+        size = _VICTIM_CHUNK if take is None else min(_VICTIM_CHUNK, take)
+        while chunk := list(itertools.islice(lru, size)):
             for victim, owner in zip(
                 chunk, self._sole_holders([b.block_id for b in chunk]), strict=True
             ):
@@ -728,19 +733,29 @@ class PoolAffinity:
             found = [a or b for a, b in zip(found, table.sole_holders(block_ids), strict=True)]
         return found
 
-    def _candidate_runs(self, chunk: int) -> Iterator[tuple[float, list[int]]]:
+    def _candidate_runs(self, take: int) -> Iterator[tuple[float, list[int]]]:
         """(due, block ids): the candidates' own queued NORMAL blocks, the session due back
-        last first, each session's tail first (every group), a run of up to ``chunk`` record
-        entries at a time."""
+        last first (each announced by its due and no blocks, before its record is read), each
+        session's tail first (every group), a run at a time. Bounded work per
+        pop, whatever the sessions hold: at most ``_CANDIDATE_CHUNKS`` chunks of records are
+        read (sessions whose blocks are idle, shared or in use offer none), then LRU's order
+        decides the rest."""
         assert self.returns is not None
         blocks = self.pool.blocks
+        chunk = min(max(_VICTIM_CHUNK, take), 1024)
+        reads = _CANDIDATE_CHUNKS
         for session in self.returns.back_last_first():
             due = self.returns.due(session)
+            yield due, []  # its due first: a pick that goes no further reads no record
             for table in self.tables:
                 for batch in table.own_tail_chunks(session, chunk):
                     run, in_use = self.queue.normal_until_in_use(batch, blocks)
                     if run:
                         yield due, run
+                    reads -= 1
+                    if not reads:
+                        self.counters.add("picker_reads_capped", 1)
+                        return
                     if in_use:
                         # a running request hit the record up to here, and prefix hits are
                         # prefix-closed, so every block before it is in use too (the session
