@@ -1,7 +1,7 @@
 """The engine's per-pool state: the segmented queue, one session table per KV-cache group, the
 subagent families, and every path that releases, idles, protects or restores a session's
-blocks (``PoolAffinity``). Plain Python over vLLM's block objects; ``engine.py`` attaches it to
-vLLM's ``BlockPool`` and calls it from its wraps and utilities.
+blocks (``PoolAffinity``). Plain Python and numpy over vLLM's block objects; ``patches.py``
+attaches it to vLLM's ``BlockPool`` and calls it from its wraps and utilities.
 
 ``PoolAffinity`` answers with the protocol's models (``EngineRelease``, ``EngineIdle``,
 ``EngineRestore``, ``EngineStats``); the utilities turn them into plain dicts only at the
@@ -85,7 +85,7 @@ class PoolAffinity:
         pool.free_block_queue = self.queue
         #: vLLM's null block (a sliding window's dropped positions): a HOLE in the records.
         self._null_id: int = pool.null_block.block_id
-        #: Nanoseconds the plugin spent on the scheduler's path (``engine.py``'s wrappers and
+        #: Nanoseconds the plugin spent on the scheduler's path (``patches.py``' wrappers and
         #: the picker) and the scheduler steps run: ``/metrics`` shows the time per step.
         self.engine_ns = 0
         self.steps = 0
@@ -219,9 +219,6 @@ class PoolAffinity:
         if not dense:  # ``dense``: a full-attention group's, never the null block
             ids[ids == null] = HOLE  # a sliding window's or a Mamba group's
         return ids
-
-    def is_bound(self, request_id: str) -> bool:
-        return request_id in self._bound
 
     def request_done(self, session: str, request_id: str) -> None:
         """The request freed its blocks (finished, aborted or preempted)."""

@@ -41,7 +41,7 @@ def scheduler(
     block_size: int = 16,
 ) -> Any:
     """vLLM's ``Scheduler`` over ``kv_cache_config`` (prefix caching on, chunked prefill)."""
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -55,7 +55,10 @@ def scheduler(
     )  # fmt: skip
     caching = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     caching.num_gpu_blocks = kv_cache_config.num_blocks
-    config = VllmConfig(model_config=model, scheduler_config=scheduling, cache_config=caching)
+    config = VllmConfig(
+        model_config=model, scheduler_config=scheduling, cache_config=caching,
+        device_config=DeviceConfig(device="cpu"),  # no model runs: no device to detect
+    )  # fmt: skip
     return Scheduler(
         vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
         structured_output_manager=StructuredOutputManager(config), block_size=block_size,

@@ -1,0 +1,40 @@
+"""``benchmarks/engine_scale.py`` on a small cell: both drivers run vLLM's real classes, vanilla
+with every plugin wrapper set aside, and report what they measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import wrapt
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from benchmarks import engine_scale
+from vllm_affinity.engine import affinity_of, apply_engine_patches
+
+apply_engine_patches()
+
+
+def test_vanilla_runs_vllm_as_installed() -> None:
+    assert isinstance(vars(Scheduler)["schedule"], wrapt.FunctionWrapper)
+    with engine_scale.unpatched():
+        assert not isinstance(vars(Scheduler)["schedule"], wrapt.FunctionWrapper)
+        assert not isinstance(vars(KVCacheManager)["free"], wrapt.FunctionWrapper)
+        vanilla = engine_scale.build(engine_scale.Cell(2000, 2048, 4), "scheduler", plugin=False)
+    assert isinstance(vars(KVCacheManager)["free"], wrapt.FunctionWrapper)
+    assert affinity_of(vanilla.engine.kv_cache_manager.block_pool) is None
+
+
+@pytest.mark.parametrize("driver", ["scheduler", "manager"])
+def test_a_small_cell_reports_both_sides(driver: str, tmp_path: Path) -> None:
+    argv = ["--cells", "1500:2048:6", "--rounds", "2", "--driver", driver, "--out", str(tmp_path)]
+    assert engine_scale.main(argv) == 0
+    (row,) = json.loads((tmp_path / "engine_scale.json").read_text())["rows"]
+    assert row["driver"] == driver and row["vanilla_ms"] > 0 and row["plugin_ms"] > 0
+    # the same traffic on both sides: the sessions' shared system prompt is hit on both
+    assert min(row["hit_tokens"].values()) >= engine_scale.SYSTEM
+    assert row["plugin_own_ms"] > 0  # the plugin timed its own work on the scheduler's path
+    text = (tmp_path / "engine_scale.md").read_text()
+    assert text.startswith(f"Command: `python -m benchmarks.engine_scale {' '.join(argv)}`")
