@@ -85,8 +85,10 @@ class SessionRecord:
     generations: array[int]
     num_prompt_tokens: int
     held: int = 0
-    #: Where the picker's walk starts: the entries from here on hold none of the session's
-    #: own blocks (shared ones stay shared until reused, reused ones never come back).
+    #: Where the picker's walk starts: the entries from here on held none of the session's
+    #: own blocks when it last walked them (a block other sessions held stays shared until
+    #: reused, a reused one never comes back; one a side branch of the session also held may
+    #: become its own again when the branch lets go, and is then left to LRU's order).
     own_end: int = sys.maxsize
 
 
