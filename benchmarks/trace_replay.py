@@ -488,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
             "traces": [replay_trace(t, args) for t in loaded],
         }
     stem = args.name or ("trace_replay_quick" if args.quick else "trace_replay")
-    write_outputs(args.out, stem, result, markdown(result))
+    command = " ".join(
+        ["python -m benchmarks.trace_replay", *(argv if argv is not None else sys.argv[1:])]
+    )
+    write_outputs(args.out, stem, result, f"Command: `{command}`\n\n{markdown(result)}")
     return 0
 
 
