@@ -383,3 +383,17 @@ def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
     assert q.is_normal(blocks[2]) and not q.is_normal(blocks[4])
     q.set_picker(None)
     assert ids(q.popleft_n(2)) == [2, 3]
+
+
+def test_a_picker_answer_that_starts_with_lrus_own_order_is_taken_in_that_order() -> None:
+    """The head of the answer that is LRU's own order stays in place; what follows is moved
+    behind it, a block named again after that head skipped."""
+    blocks = [FakeBlock(i) for i in range(8)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(8)))  # NORMAL: 0..7 (LRU first)
+    q.set_picker(lambda take: [blocks[0], blocks[1], blocks[5], blocks[0]])
+    assert ids(q.popleft_n(4)) == [0, 1, 5, 2]
+    assert ids(q.get_all_free_blocks()) == [3, 4, 6, 7]
+    q.set_picker(lambda take: [blocks[3], blocks[4]])  # LRU's own order: nothing moves
+    assert ids(q.popleft_n(2)) == [3, 4]
+    assert ids(q.get_all_free_blocks()) == [6, 7]

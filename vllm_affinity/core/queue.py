@@ -358,18 +358,28 @@ class SegmentedFreeBlockQueue:
         if take <= 0:
             return
         assert self._picker is not None
+        answer = self._picker(take)[:take]
+        # the answer's head that is LRU's own order already stays where it is
+        prev: Any = self._normal_head
+        kept = 0
+        for block in answer:
+            if block is not prev.next_free_block:
+                break
+            prev = block
+            kept += 1
+        if kept == len(answer):
+            return
+        in_place = {block.block_id for block in answer[:kept]}
         picked: list[Block] = []
-        for block in self._picker(take)[:take]:
-            if not self.is_normal(block):
+        for block in answer[kept:]:
+            if block.block_id in in_place or not self.is_normal(block):
                 continue  # not a queued NORMAL block, or named twice (out while picking)
-            prev, nxt = block.prev_free_block, block.next_free_block
-            prev.next_free_block = nxt
-            nxt.prev_free_block = prev
+            before, nxt = block.prev_free_block, block.next_free_block
+            before.next_free_block = nxt
+            nxt.prev_free_block = before
             block.prev_free_block = None
             picked.append(block)
-        head = self._normal_head
-        after = head.next_free_block
-        prev = head
+        after = prev.next_free_block
         for block in picked:
             block.prev_free_block = prev
             prev.next_free_block = block
