@@ -336,19 +336,13 @@ class SessionBlocks:
         own = ids[live & alone][::-1].tolist()
         return ReleaseSelection(own, int((live & ~alone).sum()))
 
-    def own_tail_first(self, session: str, chunk: int = 256) -> Iterator[int]:
-        """``select_idle``'s blocks, lazily, a chunk at a time: a caller that needs the first
-        few of a long record (the predicted-return picker) reads only those."""
-        for batch in self.own_tail_chunks(session, chunk):
-            yield from batch
-
     def own_tail_chunks(self, session: str, chunk: int = 256) -> Iterator[list[int]]:
-        """``own_tail_first`` a list at a time, one per ``chunk`` entries of the record read
-        (empty where they hold none of its own)."""
+        """``select_idle``'s blocks, lazily, a list per ``chunk`` entries of the record read
+        (empty where they hold none of its own): a caller that needs the first few of a long
+        record (the predicted-return picker) reads only those."""
         record = self.latest.get(session)
         if record is None or record.request_id is not None:
             return
-        views = self._v
         end = min(record.held, record.own_end)
         tail = True  # no own block found yet from the end
         while end > 0:
@@ -361,7 +355,7 @@ class SessionBlocks:
                 end = record.held = start + int(alive[-1]) + 1 if alive.size else start
                 continue
             part = part[live]
-            own = part[(views.holders[part] == 1) & (views.shared[part] == 0)]
+            own = part[self._alone(part)]
             batch = own[::-1].tolist()
             del part, live, own  # no view of the record outlives a step: the record may grow
             tail = tail and not batch

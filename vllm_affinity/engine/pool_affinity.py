@@ -707,13 +707,13 @@ class PoolAffinity:
             self.counters.add("blocks_predicted", swapped)
         return picked
 
-    def _victims(self, lru: Iterator[Any], take: int | None = None) -> Iterator[tuple[Any, float]]:
+    def _victims(self, lru: Iterator[Any], take: int) -> Iterator[tuple[Any, float]]:
         """LRU's victims, each with the due of the session alone holding it (``inf``: none),
         read a chunk at a time: a pop's first victims often decide it."""
         assert self.returns is not None
         due_of, inf = self.returns.due, float("inf")
         dues: dict[str | None, float] = {None: inf}  # no change during a pop
-        size = _VICTIM_CHUNK if take is None else min(_VICTIM_CHUNK, take)
+        size = min(_VICTIM_CHUNK, take)
         while chunk := list(itertools.islice(lru, size)):
             for victim, owner in zip(
                 chunk, self._sole_holders([b.block_id for b in chunk]), strict=True
