@@ -11,6 +11,7 @@ process boundary.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -62,10 +63,26 @@ from ..core.tenants import scoped
 from ..settings import Settings
 from .checkpoints import InstructionCheckpoints, has_sparse_groups
 
+_BLOCK_ID = operator.attrgetter("block_id")
 #: LRU victims the picker reads at a time (and the fewest record entries of a candidate).
 _VICTIM_CHUNK = 64
 #: Record chunks the picker reads per pop at most (of up to 1,024 entries each).
 _CANDIDATE_CHUNKS = 16
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading entries the two lists share (compared a slice at a time, in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class PoolAffinity:
@@ -655,9 +672,12 @@ class PoolAffinity:
 
         The candidates come due-ordered (latest first), so the ones that go before a victim
         are a run from the head of what is left: taken a run at a time, not asked block by
-        block."""
+        block. Where LRU's next victims are the head run's next candidates themselves (vLLM
+        frees a request's blocks tail first, the order the run has), they are taken at once,
+        without asking who holds them."""
         assert self.returns is not None
         lru = itertools.islice(self.queue.normal_lru(), take)
+        size = min(_VICTIM_CHUNK, take)
         inf = float("inf")
         picked: list[Any] = []
         taken: set[int] = set()
@@ -666,10 +686,32 @@ class PoolAffinity:
         run_due, at, exhausted = inf, 0, False
         swapped = 0
         blocks = self.pool.blocks
-        for victim, due in self._victims(lru, take):
-            if len(picked) == take:
-                break
-            victim_id = victim.block_id
+        victims: list[Any] = []  # LRU's victims read so far, a chunk at a time
+        ids: list[int] = []
+        dues: list[float] | None = None  # the chunk's dues, read only where asked
+        i = 0
+        while len(picked) < take:
+            if i == len(victims):
+                victims = list(itertools.islice(lru, size))
+                if not victims:
+                    break
+                ids = list(map(_BLOCK_ID, victims))
+                dues, i = None, 0
+            victim_id = ids[i]
+            if at < len(run) and run[at] == victim_id:
+                # in step: each would be taken as the run's next candidate up to itself
+                most = min(len(ids) - i, take - len(picked))
+                step = _common_prefix(ids[i : i + most], run[at : at + most])
+                picked.extend(victims[i : i + step])
+                taken.update(ids[i : i + step])
+                i += step
+                at += step
+                continue
+            victim = victims[i]
+            if dues is None:
+                dues = self._dues_of(ids)
+            due = dues[i]
+            i += 1
             if victim_id in taken:
                 continue  # taken already, as a candidate
             # gone or not known (``inf``): no swap (``swap_for``), no stream
@@ -707,21 +749,18 @@ class PoolAffinity:
             self.counters.add("blocks_predicted", swapped)
         return picked
 
-    def _victims(self, lru: Iterator[Any], take: int) -> Iterator[tuple[Any, float]]:
-        """LRU's victims, each with the due of the session alone holding it (``inf``: none),
-        read a chunk at a time: a pop's first victims often decide it."""
+    def _dues_of(self, block_ids: list[int]) -> list[float]:
+        """Per block, the due of the session alone holding it in some group (``inf``: none)."""
         assert self.returns is not None
         due_of, inf = self.returns.due, float("inf")
-        dues: dict[str | None, float] = {None: inf}  # no change during a pop
-        size = min(_VICTIM_CHUNK, take)
-        while chunk := list(itertools.islice(lru, size)):
-            for victim, owner in zip(
-                chunk, self._sole_holders([b.block_id for b in chunk]), strict=True
-            ):
-                due = dues.get(owner)
-                if due is None:
-                    due = dues[owner] = due_of(owner)  # type: ignore[arg-type]
-                yield victim, due
+        dues: dict[str | None, float] = {None: inf}
+        out = []
+        for owner in self._sole_holders(block_ids):
+            due = dues.get(owner)
+            if due is None:
+                due = dues[owner] = due_of(owner)  # type: ignore[arg-type]
+            out.append(due)
+        return out
 
     def _sole_holders(self, block_ids: list[int]) -> list[str | None]:
         """Per block, the session alone holding it in some group (``sole_holders``)."""
