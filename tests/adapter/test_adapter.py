@@ -553,6 +553,80 @@ def cycle_hits(predict: bool) -> tuple[int, Any]:
     return hit, state
 
 
+def one_by_one_pick(state: Any, take: int) -> list[int]:
+    """The picker's rule asked block by block (``PoolAffinity.pick``'s definition): each of
+    LRU's victims a session alone holds lets go first the candidates due back no sooner than
+    it, in the candidates' order, up to the victim itself."""
+    inf = float("inf")
+    chunk = min(max(64, take), 1024)
+    candidates: list[tuple[float, int]] = []
+    for session in state.returns.back_last_first():
+        due = state.returns.due(session)
+        for table in state.tables:
+            for batch in table.own_tail_chunks(session, chunk):
+                run, in_use = state.queue.normal_until_in_use(batch, state.pool.blocks)
+                candidates += [(due, block_id) for block_id in run]
+                if in_use:
+                    break
+
+    def due_of(block_id: int) -> float:
+        owners = [table.sole_holder(block_id) for table in state.tables]
+        owner = next((o for o in owners if o), None)
+        return inf if owner is None else state.returns.due(owner)
+
+    picked: list[int] = []
+    at = 0
+    for victim in list(state.queue.normal_lru())[:take]:
+        if len(picked) == take:
+            break
+        if victim.block_id in picked:
+            continue
+        due = due_of(victim.block_id)
+        while due != inf and at < len(candidates) and len(picked) < take:
+            run_due, block_id = candidates[at]
+            if run_due < due:
+                break
+            at += 1
+            if block_id not in picked:
+                picked.append(block_id)
+            if block_id == victim.block_id:
+                break
+        if len(picked) < take and victim.block_id not in picked:
+            picked.append(victim.block_id)
+    return picked
+
+
+def test_the_picker_takes_what_asking_block_by_block_takes() -> None:
+    """The picker takes LRU's victims and its candidate runs a slice at a time (and a victim
+    that is the head run's next candidate without asking who holds it): on a real pool, every
+    pop of sessions of many sizes calling in turn picks exactly the blocks the rule asked
+    block by block picks."""
+    manager = make_manager(40)
+    state = state_of(manager)
+    state.predict_returns(True)
+    pops: list[int] = []
+
+    def checked(take: int) -> list[Any]:
+        expected = one_by_one_pick(state, take)
+        answer = state.pick(take)
+        assert [block.block_id for block in answer] == expected
+        pops.append(take)
+        return answer
+
+    state.queue.set_picker(checked)
+    for round_ in range(8):
+        for s in range(8):
+            size = 3 + (s * 3 + round_) % 7  # and two blocks new to every call
+            prompt = [*tokens(1000 * s, size), *tokens(100_000 + 100 * (8 * round_ + s), 2), 1]
+            request = make_request(prompt, session=f"s{s}")
+            state.on_new_request(request, release_on_divergence=False)
+            manager.get_computed_blocks(request)
+            run_prefill(manager, request)
+            manager.free(request)
+    assert len(pops) > 20 and max(pops) > 1 and state.stats().blocks_predicted > 0
+    assert_no_leak(manager)
+
+
 def test_predicted_return_keeps_the_sessions_lru_would_evict_next() -> None:
     """LRU evicts, at each call, the session that calls next; the picker evicts the one that
     just called (due back last) and the others' prefixes survive."""
