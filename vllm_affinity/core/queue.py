@@ -393,6 +393,16 @@ class SegmentedFreeBlockQueue:
         prev.next_free_block = after
         after.prev_free_block = prev
 
+    def normal_lru_run(self, after: Block | None, n: int) -> list[Block]:
+        """Up to ``n`` NORMAL blocks in LRU's order, from the one after ``after`` (``None``:
+        from the least recently used): a picker reads its victims a run at a time."""
+        node = (after or self._normal_head).next_free_block
+        out: list[Block] = []
+        while len(out) < n and not isinstance(node, _Sentinel):
+            out.append(node)
+            node = node.next_free_block
+        return out
+
     def normal_lru(self) -> Iterator[Block]:
         """The NORMAL blocks, least recently used first (a picker's reading of LRU's order)."""
         node = self._normal_head.next_free_block

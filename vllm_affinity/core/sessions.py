@@ -292,10 +292,20 @@ class SessionBlocks:
         first = self._first_holder[block_id]
         return None if self._shared[block_id] or first < 0 else self._owners[first]
 
-    def sole_holders(self, block_ids: Sequence[int]) -> list[str | None]:
-        """``sole_holder`` of each block, at once."""
-        if len(block_ids) <= self.few:
-            return [self.sole_holder(block_id) for block_id in block_ids]
+    def sole_holders(self, block_ids: Sequence[int]) -> dict[int, str]:
+        """``sole_holder`` of each block a session alone holds, by its position in
+        ``block_ids`` (a picker's victims are mostly held by none: it asks only of the rest)."""
+        if len(block_ids) <= self.few:  # ``sole_holder``'s test, inline
+            holders, shared, first, owners = (
+                self._holders, self._shared, self._first_holder, self._owners
+            )  # fmt: skip
+            size, found = len(holders), {}
+            for at, block_id in enumerate(block_ids):
+                if 0 <= block_id < size and holders[block_id] == 1 and not shared[block_id]:
+                    index = first[block_id]
+                    if index >= 0:
+                        found[at] = owners[index]
+            return found
         ids = np.asarray(block_ids, np.int32)
         sole = ids < len(self._holders)  # beyond the arrays: held by nobody
         ids = np.where(sole, ids, 0)
@@ -303,11 +313,11 @@ class SessionBlocks:
         sole &= self._v.shared[ids] == 0
         first = self._v.first_holder[ids]
         sole &= first >= 0
+        positions = np.flatnonzero(sole)
         owners = self._owners
-        return [
-            owners[f] if alone else None
-            for f, alone in zip(first.tolist(), sole.tolist(), strict=True)
-        ]
+        return dict(
+            zip(positions.tolist(), map(owners.__getitem__, first[positions].tolist()), strict=True)
+        )
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
