@@ -397,3 +397,16 @@ def test_a_picker_answer_that_starts_with_lrus_own_order_is_taken_in_that_order(
     q.set_picker(lambda take: [blocks[3], blocks[4]])  # LRU's own order: nothing moves
     assert ids(q.popleft_n(2)) == [3, 4]
     assert ids(q.get_all_free_blocks()) == [6, 7]
+
+
+def test_normal_lru_run_reads_lrus_order_a_run_at_a_time() -> None:
+    """``normal_lru_run`` gives NORMAL's blocks in ``normal_lru``'s order, ``n`` at most, from
+    the one after a block it gave (``None``: the least recently used), never other segments'."""
+    blocks = [FakeBlock(i) for i in range(10)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(8)))  # FREE: 8, 9; NORMAL: 0..7 (LRU first)
+    q.release(blocks[3])
+    assert ids(q.normal_lru_run(None, 3)) == [0, 1, 2] == ids(list(q.normal_lru())[:3])
+    assert ids(q.normal_lru_run(blocks[2], 3)) == [4, 5, 6]
+    assert ids(q.normal_lru_run(blocks[6], 5)) == [7]
+    assert q.normal_lru_run(blocks[7], 5) == [] and q.normal_lru_run(None, 0) == []

@@ -398,3 +398,21 @@ def test_owner_names_stay_bounded_and_keep_their_meaning() -> None:
     table.record("late", [5], 0, "late")  # "gone" held block 5's content first
     assert table.is_shared(5) and table.sole_holder(5) is None
     assert table.check() == []
+
+
+def test_sole_holders_answers_by_position_for_the_blocks_one_session_alone_holds() -> None:
+    """``sole_holders`` names, by position in the ids asked, the blocks ``sole_holder`` names
+    (and only those), a few ids at a time as for many (numpy), ids beyond the arrays too."""
+    table = SessionBlocks()
+    table.record("a", list(range(0, 40)), 0, "ra")
+    table.record("b", list(range(30, 60)), 0, "rb")  # 30..39 shared with "a"
+    table.record("c", [HOLE, 70, 71], 0, "rc")
+    table.unbind([45])  # reused: nobody holds it any more
+    asked = [75, 71, 5, 35, 45, 50, 70, 10**6, 39, 0]
+    for ids in (asked, asked * 5):  # a few (Python), many (numpy)
+        expected = {
+            at: owner for at, block_id in enumerate(ids) if (owner := table.sole_holder(block_id))
+        }
+        assert table.sole_holders(ids) == expected
+        assert set(expected.values()) == {"a", "b", "c"}
+        assert 3 not in expected and 4 not in expected  # shared, reused

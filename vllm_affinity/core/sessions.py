@@ -296,13 +296,13 @@ class SessionBlocks:
         """``sole_holder`` of each block a session alone holds, by its position in
         ``block_ids`` (a picker's victims are mostly held by none: it asks only of the rest)."""
         if len(block_ids) <= self.few:  # ``sole_holder``'s test, inline
-            holders, shared, first, owners = (
+            holders, shared, first_of, owners = (
                 self._holders, self._shared, self._first_holder, self._owners
             )  # fmt: skip
             size, found = len(holders), {}
             for at, block_id in enumerate(block_ids):
                 if 0 <= block_id < size and holders[block_id] == 1 and not shared[block_id]:
-                    index = first[block_id]
+                    index = first_of[block_id]
                     if index >= 0:
                         found[at] = owners[index]
             return found

@@ -10,7 +10,6 @@ process boundary.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import time
 from collections import Counter, OrderedDict
