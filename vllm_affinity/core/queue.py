@@ -41,7 +41,6 @@ FREE write no mark and read no hash.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import IntEnum
 from time import perf_counter_ns
@@ -99,8 +98,6 @@ class _Sentinel:
         self.next_free_block: Any = None
 
 
-_NEXT = operator.attrgetter("next_free_block")
-_ID = operator.attrgetter("block_id")
 _NORMAL, _FREE, _RELEASED, _IDLE, _PROTECTED, _OUT = 0, 1, 2, 3, 4, -1  # plain ints: hot path
 _POP_ORDER = (_FREE, _RELEASED, _IDLE, _NORMAL, _PROTECTED)
 _MARKED = (_RELEASED, _IDLE, _PROTECTED)
@@ -362,16 +359,17 @@ class SegmentedFreeBlockQueue:
             return
         assert self._picker is not None
         answer = self._picker(take)[:take]
-        # the answer's head that is LRU's own order already stays where it is (compared a
-        # column at a time: ``map`` runs in C)
+        # the answer's head that is LRU's own order already stays where it is
+        prev: Any = self._normal_head
         kept = 0
-        if answer and answer[0] is self._normal_head.next_free_block:
-            linked = list(map(operator.is_, map(_NEXT, answer), answer[1:]))
-            kept = 1 + (linked.index(False) if False in linked else len(linked))
+        for block in answer:
+            if block is not prev.next_free_block:
+                break
+            prev = block
+            kept += 1
         if kept == len(answer):
             return
-        prev: Any = answer[kept - 1] if kept else self._normal_head
-        in_place = set(map(_ID, answer[:kept]))
+        in_place = {block.block_id for block in answer[:kept]}
         picked: list[Block] = []
         mark = self._mark
         for block in answer[kept:]:

@@ -315,9 +315,10 @@ class SessionBlocks:
         sole &= first >= 0
         positions = np.flatnonzero(sole)
         owners = self._owners
-        return dict(
-            zip(positions.tolist(), map(owners.__getitem__, first[positions].tolist()), strict=True)
-        )
+        return {
+            at: owners[index]
+            for at, index in zip(positions.tolist(), first[positions].tolist(), strict=True)
+        }
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""

@@ -10,7 +10,6 @@ process boundary.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -62,7 +61,6 @@ from ..core.tenants import scoped
 from ..settings import Settings
 from .checkpoints import InstructionCheckpoints, has_sparse_groups
 
-_BLOCK_ID = operator.attrgetter("block_id")
 #: LRU victims the picker reads first, then twice as many at a time up to ``_MOST_VICTIMS``:
 #: who holds a block is asked of a chunk at once, at about the same cost for 256 as for 64.
 _VICTIM_CHUNK = 256
@@ -701,7 +699,7 @@ class PoolAffinity:
                 if not victims:
                     break
                 read += len(victims)
-                ids = list(map(_BLOCK_ID, victims))
+                ids = [block.block_id for block in victims]
                 dues, i = None, 0
             victim_id = ids[i]
             if at < len(run) and run[at] == victim_id:
