@@ -394,9 +394,11 @@ class SegmentedFreeBlockQueue:
     def normal_lru_run(self, after: Block | None, n: int) -> list[Block]:
         """Up to ``n`` NORMAL blocks in LRU's order, from the one after ``after`` (``None``:
         from the least recently used): a picker reads its victims a run at a time."""
-        node = (after or self._normal_head).next_free_block
+        node, tail = (after or self._normal_head).next_free_block, self._normal_tail
         out: list[Block] = []
-        while len(out) < n and not isinstance(node, _Sentinel):
+        for _ in range(n):
+            if node is tail:
+                break
             out.append(node)
             node = node.next_free_block
         return out
