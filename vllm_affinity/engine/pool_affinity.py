@@ -675,7 +675,8 @@ class PoolAffinity:
         are a run from the head of what is left: taken a run at a time, not asked block by
         block. Where LRU's next victims are the head run's next candidates themselves (vLLM
         frees a request's blocks tail first, the order the run has), they are taken at once,
-        without asking who holds them."""
+        without asking who holds them; victims no session alone holds (no swap) go a run at a
+        time up to the next one a session holds."""
         assert self.returns is not None
         read = 0  # LRU's victims read (never more than the pop takes)
         inf = float("inf")
