@@ -311,7 +311,12 @@ def test_first_calls_hit_the_instructions_an_earlier_one_sent(
         call(server, [{"role": "user", "content": text(3, 20)}], {CLAUDE_CODE_SESSION_HEADER: lead})
         children = subagents(server, lead, server.port, pairs=150)
         expected = children["subagent_shared"] // granularity * granularity
-        assert children["subagent_hit"] == expected, (children, granularity)
+        if children["subagent_hit"] != expected:  # seen once in CI: say what the engine did
+            stats = server.engine_stats()
+            counters = {
+                k: v for k, v in stats.items() if k.startswith(("block", "checkpoint", "release"))
+            }
+            pytest.fail(f"{children}, granularity {granularity}, engine counters {counters}")
     assert shared > 2 * granularity and hit == shared // granularity * granularity, (hit, shared)
     assert server.engine_stats()["checkpoints_marked"] >= 1
 
