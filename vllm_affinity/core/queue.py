@@ -371,14 +371,10 @@ class SegmentedFreeBlockQueue:
             return
         in_place = {block.block_id for block in answer[:kept]}
         picked: list[Block] = []
-        mark = self._mark
         for block in answer[kept:]:
-            left = block.prev_free_block
-            if left is None or mark[block.block_id] or block.block_hash is None:
-                continue  # not a queued NORMAL block (``is_normal``)
-            if block.block_id in in_place:
-                continue  # named twice (out while picking)
-            right = block.next_free_block
+            if block.block_id in in_place or not self.is_normal(block):
+                continue  # not a queued NORMAL block, or named twice (out while picking)
+            left, right = block.prev_free_block, block.next_free_block
             left.next_free_block = right
             right.prev_free_block = left
             block.prev_free_block = None
