@@ -606,12 +606,14 @@ def test_the_picker_takes_what_asking_block_by_block_takes() -> None:
     state.predict_returns(True)
     pops: list[int] = []
 
-    def checked(take: int) -> list[Any]:
+    def checked(take: int) -> tuple[int, list[Any]]:
         expected = one_by_one_pick(state, take)
-        answer = state.pick(take)
-        assert [block.block_id for block in answer] == expected
+        lru, chosen = state.pick(take)
+        lrus_own = [block.block_id for block in state.queue.normal_lru()][:lru]
+        assert [*lrus_own, *(block.block_id for block in chosen)] == expected, (lru, chosen)
+        assert len(lrus_own) == lru
         pops.append(take)
-        return answer
+        return lru, chosen
 
     state.queue.set_picker(checked)
     for round_ in range(8):

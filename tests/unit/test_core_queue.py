@@ -367,9 +367,9 @@ def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
     assert q.release(blocks[5]) is ReleaseResult.MOVED
     asked: list[tuple[int, list[int]]] = []
 
-    def picker(take: int) -> list[Any]:
+    def picker(take: int) -> tuple[int, list[Any]]:
         asked.append((take, ids(list(q.normal_lru()))))
-        return [blocks[4], blocks[4], blocks[5], blocks[6]]
+        return 0, [blocks[4], blocks[4], blocks[5], blocks[6]]
 
     q.set_picker(picker)
     assert ids(q.popleft_n(2)) == [6, 7]  # FREE alone: never asked
@@ -385,28 +385,30 @@ def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
     assert ids(q.popleft_n(2)) == [2, 3]
 
 
-def test_a_picker_answer_that_starts_with_lrus_own_order_is_taken_in_that_order() -> None:
-    """The head of the answer that is LRU's own order stays in place; what follows is moved
-    behind it, a block named again after that head skipped."""
+def test_a_picker_answer_keeps_lrus_own_first_victims_in_place() -> None:
+    """``(lru, chosen)``: LRU's first ``lru`` victims stay in place, the chosen blocks are
+    moved behind them (one of those first ones named again is skipped); ``(take, [])`` is LRU's
+    own order, taken as it is."""
     blocks = [FakeBlock(i) for i in range(8)]
     q = SegmentedFreeBlockQueue(blocks)
     q.append_n(cached(q.popleft_n(8)))  # NORMAL: 0..7 (LRU first)
-    q.set_picker(lambda take: [blocks[0], blocks[1], blocks[5], blocks[0]])
+    q.set_picker(lambda take: (2, [blocks[5], blocks[0]]))
     assert ids(q.popleft_n(4)) == [0, 1, 5, 2]
     assert ids(q.get_all_free_blocks()) == [3, 4, 6, 7]
-    q.set_picker(lambda take: [blocks[3], blocks[4]])  # LRU's own order: nothing moves
+    q.set_picker(lambda take: (take, []))  # LRU's own order: nothing moves
     assert ids(q.popleft_n(2)) == [3, 4]
     assert ids(q.get_all_free_blocks()) == [6, 7]
 
 
-def test_normal_lru_run_reads_lrus_order_a_run_at_a_time() -> None:
-    """``normal_lru_run`` gives NORMAL's blocks in ``normal_lru``'s order, ``n`` at most, from
-    the one after a block it gave (``None``: the least recently used), never other segments'."""
+def test_normal_lru_ids_reads_lrus_order_a_run_at_a_time() -> None:
+    """``normal_lru_ids`` gives the ids of NORMAL's blocks in ``normal_lru``'s order, ``n`` at
+    most, from the one after a block it named (``None``: the least recently used), never other
+    segments'."""
     blocks = [FakeBlock(i) for i in range(10)]
     q = SegmentedFreeBlockQueue(blocks)
     q.append_n(cached(q.popleft_n(8)))  # FREE: 8, 9; NORMAL: 0..7 (LRU first)
     q.release(blocks[3])
-    assert ids(q.normal_lru_run(None, 3)) == [0, 1, 2] == ids(list(q.normal_lru())[:3])
-    assert ids(q.normal_lru_run(blocks[2], 3)) == [4, 5, 6]
-    assert ids(q.normal_lru_run(blocks[6], 5)) == [7]
-    assert q.normal_lru_run(blocks[7], 5) == [] and q.normal_lru_run(None, 0) == []
+    assert q.normal_lru_ids(None, 3) == [0, 1, 2] == ids(list(q.normal_lru())[:3])
+    assert q.normal_lru_ids(blocks[2], 3) == [4, 5, 6]
+    assert q.normal_lru_ids(blocks[6], 5) == [7]
+    assert q.normal_lru_ids(blocks[7], 5) == [] and q.normal_lru_ids(None, 0) == []

@@ -58,11 +58,13 @@ class Block(Protocol):
     def block_hash(self) -> Any: ...
 
 
-#: Asked once per pop that reaches NORMAL: the ``take`` live blocks to pop, in order, in place
-#: of LRU's (the first ``take`` of ``normal_lru``). What it names that is not a queued NORMAL
-#: block, or is named twice, is skipped; LRU's order fills what it leaves short.
+#: Asked once per pop that reaches NORMAL: the ``take`` live blocks to pop, in place of LRU's
+#: (the first ``take`` of ``normal_lru``), as ``(lru, chosen)``: LRU's own first ``lru``
+#: victims, then the ``chosen`` blocks in order. Mostly the whole answer is LRU's own order
+#: (``(take, [])``), said without naming a block. What ``chosen`` names that is not a queued
+#: NORMAL block, or is named twice, is skipped; LRU's order fills what it leaves short.
 #: ``PoolAffinity.pick``: the sessions predicted back last give up their blocks first.
-Picker = Callable[[int], list[Block]]
+Picker = Callable[[int], tuple[int, list[Block]]]
 
 
 class Segment(IntEnum):
@@ -358,22 +360,20 @@ class SegmentedFreeBlockQueue:
         if take <= 0:
             return
         assert self._picker is not None
-        answer = self._picker(take)[:take]
-        # the answer's head that is LRU's own order already stays where it is
+        lru, chosen = self._picker(take)
+        if not chosen:
+            return  # LRU's own order: the pop takes it as it is
+        # LRU's first ``lru`` stay where they are; the chosen ones move in right behind them
         prev: Any = self._normal_head
-        kept = 0
-        for block in answer:
-            if block is not prev.next_free_block:
-                break
-            prev = block
-            kept += 1
-        if kept == len(answer):
-            return
-        in_place = {block.block_id for block in answer[:kept]}
+        in_place: set[int] = set()
+        for _ in range(min(lru, take)):
+            prev = prev.next_free_block
+            in_place.add(prev.block_id)
         picked: list[Block] = []
-        for block in answer[kept:]:
+        for block in chosen[: take - len(in_place)]:
             if block.block_id in in_place or not self.is_normal(block):
                 continue  # not a queued NORMAL block, or named twice (out while picking)
+            in_place.add(block.block_id)
             left, right = block.prev_free_block, block.next_free_block
             left.next_free_block = right
             right.prev_free_block = left
@@ -387,15 +387,15 @@ class SegmentedFreeBlockQueue:
         prev.next_free_block = after
         after.prev_free_block = prev
 
-    def normal_lru_run(self, after: Block | None, n: int) -> list[Block]:
-        """Up to ``n`` NORMAL blocks in LRU's order, from the one after ``after`` (``None``:
-        from the least recently used): a picker reads its victims a run at a time."""
+    def normal_lru_ids(self, after: Block | None, n: int) -> list[int]:
+        """The ids of up to ``n`` NORMAL blocks in LRU's order, from the one after ``after``
+        (``None``: from the least recently used): a picker reads its victims a run at a time."""
         node, tail = (after or self._normal_head).next_free_block, self._normal_tail
-        out: list[Block] = []
+        out: list[int] = []
         for _ in range(n):
             if node is tail:
                 break
-            out.append(node)
+            out.append(node.block_id)
             node = node.next_free_block
         return out
 

@@ -306,10 +306,10 @@ class SessionBlocks:
                     if index >= 0:
                         found[at] = owners[index]
             return found
-        ids = np.asarray(block_ids, np.int32)
-        sole = ids < len(self._holders)  # beyond the arrays: held by nobody
-        ids = np.where(sole, ids, 0)
-        sole &= self._v.holders[ids] == 1
+        ids = self._as_ids(block_ids)  # the arrays reach every id: beyond, held by nobody
+        sole = self._v.holders[ids] == 1
+        if not sole.any():  # mostly: a picker's victims are let go of, or shared
+            return {}
         sole &= self._v.shared[ids] == 0
         first = self._v.first_holder[ids]
         sole &= first >= 0

@@ -86,6 +86,51 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+class _Picks:
+    """A pick's answer as it grows (the queue's ``Picker`` answer): LRU's own victims while
+    they come in its order, counted and never listed (a pop mostly takes LRU's order whole),
+    then, from the first block taken ahead of its turn, every block listed."""
+
+    __slots__ = ("_blocks", "_in_order", "chosen", "count", "lru", "taken")
+
+    def __init__(self, blocks: Sequence[Any]) -> None:
+        self._blocks = blocks
+        self._in_order: list[list[int]] = []  # LRU's victims counted in ``lru``, in runs
+        self.lru = 0
+        self.chosen: list[Any] = []
+        self.count = 0
+        #: The ids picked, kept from the first block taken ahead of its turn on.
+        self.taken: set[int] | None = None
+
+    def has(self, block_id: int) -> bool:
+        return self.taken is not None and block_id in self.taken
+
+    def in_order(self, ids: list[int]) -> None:
+        """LRU's next victims (those picked already, as candidates, are skipped)."""
+        if self.taken is None:
+            self._in_order.append(ids)
+            self.lru += len(ids)
+            self.count += len(ids)
+            return
+        if not self.taken.isdisjoint(ids):
+            ids = [b for b in ids if b not in self.taken]
+        self.chosen.extend(map(self._blocks.__getitem__, ids))
+        self.taken.update(ids)
+        self.count += len(ids)
+
+    def ahead(self, ids: list[int], victim_id: int) -> int:
+        """Candidates taken ahead of LRU's next victim ``victim_id`` (which may end them);
+        how many were new."""
+        if self.taken is None:
+            if ids == [victim_id]:  # the victim itself: still LRU's order
+                self.in_order(ids)
+                return 1
+            self.taken = {b for run in self._in_order for b in run}
+        before = self.count
+        self.in_order(ids)
+        return self.count - before
+
+
 class PoolAffinity:
     """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), one
     session table per KV-cache group (``core/groups.py``), and which blocks of each running
@@ -665,11 +710,12 @@ class PoolAffinity:
         self.wait_guard = IdleGuard(self._max_sessions) if on else None
         self.queue.set_picker(self.pick if on else None)
 
-    def pick(self, take: int) -> list[Any]:
+    def pick(self, take: int) -> tuple[int, list[Any]]:
         """The queue's picker (``core/returns.py``), once per pop, for its ``take`` live blocks:
         LRU's victims in order, except that where one is a block a single session alone holds,
         the deepest own live blocks of the sessions predicted back last go first, as long as
-        each is due back no sooner than the victim's session (``swap_for``).
+        each is due back no sooner than the victim's session (``swap_for``). Answered as the
+        queue's ``Picker`` asks: LRU's own first victims counted, the rest listed (``_Picks``).
 
         The candidates come due-ordered (latest first), so the ones that go before a victim
         are a run from the head of what is left: taken a run at a time, not asked block by
@@ -680,35 +726,31 @@ class PoolAffinity:
         assert self.returns is not None
         read = 0  # LRU's victims read (never more than the pop takes)
         inf = float("inf")
-        picked: list[Any] = []
-        taken: set[int] = set()
+        picks = _Picks(self.pool.blocks)
         runs: Iterator[tuple[float, list[int]]] | None = None
         run: list[int] = []  # the head run of candidates (one session's, due ``run_due``)
         run_due, at, exhausted = inf, 0, False
         swapped = 0
-        blocks = self.pool.blocks
-        victims: list[Any] = []  # LRU's victims read so far, a chunk at a time
-        ids: list[int] = []
+        ids: list[int] = []  # LRU's victims read so far, a chunk at a time
         dues: dict[int, float] | None = None  # the chunk's dues where held alone, read if asked
         held: Iterator[int] = iter(())
         next_held = 0
         i = 0
-        while len(picked) < take:
-            if i == len(victims):
-                size = min(max(_VICTIM_CHUNK, 2 * len(victims)), _MOST_VICTIMS, take - read)
-                victims = self.queue.normal_lru_run(victims[-1] if victims else None, size)
-                if not victims:
+        while picks.count < take:
+            if i == len(ids):
+                size = min(max(_VICTIM_CHUNK, 2 * len(ids)), _MOST_VICTIMS, take - read)
+                after = self.pool.blocks[ids[-1]] if ids else None
+                ids = self.queue.normal_lru_ids(after, size)
+                if not ids:
                     break
-                read += len(victims)
-                ids = [block.block_id for block in victims]
+                read += len(ids)
                 dues, i = None, 0
             victim_id = ids[i]
             if at < len(run) and run[at] == victim_id:
                 # in step: each would be taken as the run's next candidate up to itself
-                most = min(len(ids) - i, take - len(picked))
+                most = min(len(ids) - i, take - picks.count)
                 step = _common_prefix(ids[i : i + most], run[at : at + most])
-                picked.extend(victims[i : i + step])
-                taken.update(ids[i : i + step])
+                picks.in_order(ids[i : i + step])
                 i += step
                 at += step
                 continue
@@ -720,23 +762,17 @@ class PoolAffinity:
                 next_held = next(held, len(ids))
             if next_held > i:
                 # LRU's own victims up to the next one a session alone holds: no swap
-                end = min(next_held, i + take - len(picked))
-                if taken.isdisjoint(ids[i:end]):
-                    picked.extend(victims[i:end])
-                    taken.update(ids[i:end])
-                else:
-                    for victim, victim_id in zip(victims[i:end], ids[i:end], strict=True):
-                        if victim_id not in taken:
-                            picked.append(victim)
-                            taken.add(victim_id)
+                end = min(next_held, i + take - picks.count)
+                picks.in_order(ids[i:end])
                 i = end
                 continue
-            victim, due = victims[i], dues[i]
+            due = dues[i]
             i += 1
-            if victim_id in taken:
+            if picks.has(victim_id):
                 continue  # taken already, as a candidate
+            reached = False  # the victim itself taken, as the run's candidate
             # gone or not known (``inf``): no swap (``swap_for``), no stream
-            while due != inf and not exhausted and len(picked) < take:
+            while due != inf and not exhausted and picks.count < take:
                 if run_due < due:  # ``swap_for`` of a finite due: the candidates are back sooner
                     break
                 if at == len(run):  # a session's due comes before its record is read
@@ -748,27 +784,23 @@ class PoolAffinity:
                     at = 0
                     continue
                 # the run's next candidates, up to the victim itself (then it is taken)
-                room, reached = take - len(picked), False
+                room = take - picks.count
                 while at < len(run) and room and not reached:
                     part = run[at : at + room]
                     if victim_id in part:
                         part = part[: part.index(victim_id) + 1]
                         reached = True
                     at += len(part)
-                    if not taken.isdisjoint(part):
-                        part = [b for b in part if b not in taken]  # LRU's victims already
-                    picked.extend(map(blocks.__getitem__, part))
-                    taken.update(part)
-                    room -= len(part)
-                    swapped += len(part) - reached
+                    new = picks.ahead(part, victim_id)
+                    room -= new
+                    swapped += new - reached
                 if reached:
                     break
-            if len(picked) < take and victim_id not in taken:
-                picked.append(victim)
-                taken.add(victim_id)
+            if picks.count < take and not reached:
+                picks.in_order([victim_id])
         if swapped:
             self.counters.add("blocks_predicted", swapped)
-        return picked
+        return picks.lru, picks.chosen
 
     def _dues_of(self, block_ids: list[int]) -> dict[int, float]:
         """By position, the due of the session alone holding the block in some group, for the
