@@ -374,9 +374,9 @@ def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
     q.set_picker(picker)
     assert ids(q.popleft_n(2)) == [6, 7]  # FREE alone: never asked
     assert asked == []
-    # RELEASED first (5), then three NORMAL blocks: the picker's 4 (named twice, once taken;
-    # 5 is RELEASED, 6 out of the queue: skipped), then LRU's 0 and 1
-    assert ids(q.popleft_n(4)) == [5, 4, 0, 1]
+    # RELEASED first (5), then three NORMAL blocks: LRU's 0 and 1 fill what the picker left
+    # short, then its 4 (named twice, once taken; 5 is RELEASED, 6 out of the queue: skipped)
+    assert ids(q.popleft_n(4)) == [5, 0, 1, 4]
     assert asked == [(3, [0, 1, 2, 3, 4])]
     assert q.segment_sizes() == {"free": 0, "released": 0, "idle": 0, "normal": 2, "protected": 0}
     assert ids(q.get_all_free_blocks()) == [2, 3]
@@ -385,19 +385,24 @@ def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
     assert ids(q.popleft_n(2)) == [2, 3]
 
 
-def test_a_picker_answer_keeps_lrus_own_first_victims_in_place() -> None:
-    """``(lru, chosen)``: LRU's first ``lru`` victims stay in place, the chosen blocks are
-    moved behind them (one of those first ones named again is skipped); ``(take, [])`` is LRU's
-    own order, taken as it is."""
+def test_a_picker_answer_takes_lrus_own_first_victims_then_the_chosen_ones() -> None:
+    """``(lru, chosen)``: the pop takes LRU's first ``lru`` victims from NORMAL's head, then
+    the chosen blocks; one of those first victims chosen again is taken once, and LRU's order
+    fills what that leaves short. ``(take, [])`` is LRU's own order, taken as it is."""
     blocks = [FakeBlock(i) for i in range(8)]
     q = SegmentedFreeBlockQueue(blocks)
     q.append_n(cached(q.popleft_n(8)))  # NORMAL: 0..7 (LRU first)
-    q.set_picker(lambda take: (2, [blocks[5], blocks[0]]))
-    assert ids(q.popleft_n(4)) == [0, 1, 5, 2]
-    assert ids(q.get_all_free_blocks()) == [3, 4, 6, 7]
+    q.set_picker(lambda take: (1, [blocks[5], blocks[6]]))
+    assert ids(q.popleft_n(3)) == [0, 5, 6]
+    assert ids(q.get_all_free_blocks()) == [1, 2, 3, 4, 7]
+    q.set_picker(lambda take: (2, [blocks[4], blocks[1]]))  # 1 is LRU's own, chosen again
+    assert sorted(ids(q.popleft_n(4))) == [1, 2, 3, 4]
+    assert ids(q.get_all_free_blocks()) == [7]
+    q.append_n(cached([blocks[0], blocks[5], blocks[6]]))  # NORMAL: 7, 0, 5, 6
     q.set_picker(lambda take: (take, []))  # LRU's own order: nothing moves
-    assert ids(q.popleft_n(2)) == [3, 4]
-    assert ids(q.get_all_free_blocks()) == [6, 7]
+    assert ids(q.popleft_n(2)) == [7, 0]
+    assert ids(q.get_all_free_blocks()) == [5, 6]
+    assert q.segment_sizes()["normal"] == q.num_free_blocks == 2
 
 
 def test_normal_lru_ids_reads_lrus_order_a_run_at_a_time() -> None:

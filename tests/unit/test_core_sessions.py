@@ -400,19 +400,21 @@ def test_owner_names_stay_bounded_and_keep_their_meaning() -> None:
     assert table.check() == []
 
 
-def test_sole_holders_answers_by_position_for_the_blocks_one_session_alone_holds() -> None:
-    """``sole_holders`` names, by position in the ids asked, the blocks ``sole_holder`` names
-    (and only those), a few ids at a time as for many (numpy), ids beyond the arrays too."""
+def test_sole_holders_answers_by_session_the_positions_it_alone_holds() -> None:
+    """``sole_holders`` gives, by session, the positions in the ids asked of the blocks
+    ``sole_holder`` names (and only those), ascending, ids beyond the arrays too."""
     table = SessionBlocks()
     table.record("a", list(range(0, 40)), 0, "ra")
     table.record("b", list(range(30, 60)), 0, "rb")  # 30..39 shared with "a"
     table.record("c", [HOLE, 70, 71], 0, "rc")
     table.unbind([45])  # reused: nobody holds it any more
-    asked = [75, 71, 5, 35, 45, 50, 70, 10**6, 39, 0]
-    for ids in (asked, asked * 5):  # a few (Python), many (numpy)
-        expected = {
-            at: owner for at, block_id in enumerate(ids) if (owner := table.sole_holder(block_id))
-        }
-        assert table.sole_holders(ids) == expected
-        assert set(expected.values()) == {"a", "b", "c"}
-        assert 3 not in expected and 4 not in expected  # shared, reused
+    asked = [75, 71, 5, 35, 45, 50, 70, 10**6, 39, 0] * 5
+    expected: dict[str, list[int]] = {}
+    for at, block_id in enumerate(asked):
+        if owner := table.sole_holder(block_id):
+            expected.setdefault(owner, []).append(at)
+    answer = table.sole_holders(asked)
+    assert {owner: positions.tolist() for owner, positions in answer.items()} == expected
+    assert set(expected) == {"a", "b", "c"} and 3 not in expected["a"] + expected["b"]
+    assert {o: p.tolist() for o, p in table.sole_holders([1, 2, 35, 3]).items()} == {"a": [0, 1, 3]}
+    assert table.sole_holders([35, 45, 10**6]) == {}  # shared, reused, beyond

@@ -25,8 +25,8 @@ Where blocks go, mirroring how ``BlockPool`` uses the queue:
 
 A picker (``set_picker``; ``PoolAffinity.pick`` with ``VLLM_AFFINITY_PREDICT_RETURN``) may
 choose which NORMAL blocks a pop takes instead of LRU's: asked once per pop that reaches NORMAL,
-for all the live blocks it takes (``normal_lru`` gives it LRU's order); its choices move to the
-head of NORMAL and are popped from there.
+for all the live blocks it takes (``normal_lru_ids`` gives it LRU's order); what it chooses out
+of that order leaves NORMAL at once, and the pop takes it after the rest.
 
 Invariants: every block in the queue is in exactly one segment; ``num_free_blocks`` is the sum of
 the segment sizes; RELEASED, IDLE and NORMAL keep insertion order (least recently freed first). A
@@ -178,10 +178,21 @@ class SegmentedFreeBlockQueue:
             return out
         if self._picker is not None:
             start = perf_counter_ns()
-            self._repick(n)
+            picked = self._repick(n)
             self.picker_ns += perf_counter_ns() - start
+            if picked:  # out of NORMAL already: the rest is popped as usual, then these
+                out = self._pop_in_order(n - len(picked), out)
+                out += picked
+                self.cached_reused += len(picked)
+                return out
+        return self._pop_in_order(n, out)
+
+    def _pop_in_order(self, n: int, out: list[Block]) -> list[Block]:
+        """Pop ``n`` blocks onto ``out`` in the segments' order (``num_free_blocks`` is already
+        net of them); FREE alone does not hold them."""
         if self._num_marked:
             return self._pop_through_marked(n, out)
+        num_free = self._num_free
         # What FREE holds, then NORMAL, in vLLM's one loop: FREE's last block is linked to
         # NORMAL's first and FREE is emptied first.
         normal = self._normal_head
@@ -350,42 +361,29 @@ class SegmentedFreeBlockQueue:
         """Let ``picker`` choose the live (NORMAL) blocks a pop takes; ``None``: LRU's."""
         self._picker = picker
 
-    def _repick(self, n: int) -> None:
-        """Before a pop of ``n``: the NORMAL blocks it will take, asked of the picker at once
-        and moved to the head of NORMAL in that order (they stay NORMAL)."""
+    def _repick(self, n: int) -> list[Block]:
+        """Before a pop of ``n``: the NORMAL blocks the picker chose out of LRU's order, asked at
+        once, taken out of the queue in that order (the pop adds them after the rest); LRU's
+        own first ones, and any it leaves short, the pop takes from NORMAL's head as usual."""
         before = self._num_free + self._num_marked - self._num_protected
         # num_free_blocks is already net of the n popped
         normal = self.num_free_blocks + n - self._num_free - self._num_marked
         take = min(normal, n - before)
         if take <= 0:
-            return
+            return []
         assert self._picker is not None
         lru, chosen = self._picker(take)
-        if not chosen:
-            return  # LRU's own order: the pop takes it as it is
-        # LRU's first ``lru`` stay where they are; the chosen ones move in right behind them
-        prev: Any = self._normal_head
-        in_place: set[int] = set()
-        for _ in range(min(lru, take)):
-            prev = prev.next_free_block
-            in_place.add(prev.block_id)
         picked: list[Block] = []
-        for block in chosen[: take - len(in_place)]:
-            if block.block_id in in_place or not self.is_normal(block):
-                continue  # not a queued NORMAL block, or named twice (out while picking)
-            in_place.add(block.block_id)
+        mark = self._mark
+        for block in chosen[: take - min(lru, take)]:
+            if block.prev_free_block is None or mark[block.block_id] or block.block_hash is None:
+                continue  # not a queued NORMAL block (``is_normal``), or named twice
             left, right = block.prev_free_block, block.next_free_block
             left.next_free_block = right
             right.prev_free_block = left
-            block.prev_free_block = None
+            block.prev_free_block = block.next_free_block = None
             picked.append(block)
-        after = prev.next_free_block
-        for block in picked:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = after
-        after.prev_free_block = prev
+        return picked
 
     def normal_lru_ids(self, after: Block | None, n: int) -> list[int]:
         """The ids of up to ``n`` NORMAL blocks in LRU's order, from the one after ``after``

@@ -173,12 +173,12 @@ class SessionBlocks:
             new.block_ids, new.generations = old.block_ids[:kept], old.generations[:kept]
         self._hold(session, new, ids[kept:])
         if old is not None:
-            self._let_go(old, kept)
+            self._let_go(old, kept, answer=False)
         self.latest[session] = new
         self.latest.move_to_end(session)
         while len(self.latest) > self._max_sessions:
             _, evicted = self.latest.popitem(last=False)
-            self._let_go(evicted, 0)
+            self._let_go(evicted, 0, answer=False)
             self.evicted += 1
 
     def _carried_over(self, old: SessionRecord, ids: np.ndarray) -> int:
@@ -252,7 +252,7 @@ class SessionBlocks:
         """The session leaves the table: it holds nothing any more."""
         record = self.latest.pop(session, None)
         if record is not None:
-            self._let_go(record, 0)
+            self._let_go(record, 0, answer=False)
 
     def unbind(self, block_ids: Sequence[int]) -> None:
         """These blocks are being reused for new content: no record holds them any more."""
@@ -292,32 +292,32 @@ class SessionBlocks:
         first = self._first_holder[block_id]
         return None if self._shared[block_id] or first < 0 else self._owners[first]
 
-    def sole_holders(self, block_ids: Sequence[int]) -> dict[int, str]:
-        """``sole_holder`` of each block a session alone holds, by its position in
-        ``block_ids`` (a picker's victims are mostly held by none: it asks only of the rest)."""
-        if len(block_ids) <= self.few:  # ``sole_holder``'s test, inline
-            holders, shared, first_of, owners = (
-                self._holders, self._shared, self._first_holder, self._owners
-            )  # fmt: skip
-            size, found = len(holders), {}
-            for at, block_id in enumerate(block_ids):
-                if 0 <= block_id < size and holders[block_id] == 1 and not shared[block_id]:
-                    index = first_of[block_id]
-                    if index >= 0:
-                        found[at] = owners[index]
-            return found
-        ids = self._as_ids(block_ids)  # the arrays reach every id: beyond, held by nobody
+    def sole_holders(self, block_ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """By session (owner), the positions in ``block_ids`` of the blocks it alone holds
+        (``sole_holder``), ascending: a picker's victims are mostly held by none, or by a few
+        sessions each holding a run of them."""
+        ids = np.asarray(block_ids, np.int32)
+        size = len(self._holders)
+        beyond = None
+        if ids.size and int(ids.max()) >= size:  # beyond the arrays: held by nobody
+            beyond = ids >= size
+            ids = np.where(beyond, 0, ids)
         sole = self._v.holders[ids] == 1
+        if beyond is not None:
+            sole &= ~beyond
         if not sole.any():  # mostly: a picker's victims are let go of, or shared
             return {}
         sole &= self._v.shared[ids] == 0
         first = self._v.first_holder[ids]
         sole &= first >= 0
         positions = np.flatnonzero(sole)
-        owners = self._owners
+        indices = first[positions]
+        low, high = int(indices.min()), int(indices.max())
+        if low == high:  # one session holds them all
+            return {self._owners[low]: positions} if positions.size else {}
         return {
-            at: owners[index]
-            for at, index in zip(positions.tolist(), first[positions].tolist(), strict=True)
+            self._owners[index]: positions[indices == index]
+            for index in np.unique(indices).tolist()
         }
 
     def is_shared(self, block_id: int) -> bool:
@@ -454,6 +454,9 @@ class SessionBlocks:
 
     def _owner(self, session: str) -> int:
         """The index of ``session``'s owner (a side branch shares its own session's blocks)."""
+        index = self._owner_index.get(session)  # a plain session, its own owner: no split
+        if index is not None:
+            return index
         owner = owner_of(session)
         index = self._owner_index.get(owner)
         if index is None:
@@ -519,9 +522,12 @@ class SessionBlocks:
                 shared[block_id] = 1
             self.bindings += 1
 
-    def _let_go(self, record: SessionRecord, first: int) -> tuple[list[int], int]:
-        """The record stops holding its blocks from index ``first`` on; returns the blocks no
-        record holds any more and no other session has held, and how many are kept for others."""
+    def _let_go(
+        self, record: SessionRecord, first: int, answer: bool = True
+    ) -> tuple[list[int], int]:
+        """The record stops holding its blocks from index ``first`` on; returns (``answer``) the
+        blocks no record holds any more and no other session has held, and how many are kept
+        for others."""
         released: list[int] = []
         kept = 0
         if first < record.held:
@@ -532,6 +538,9 @@ class SessionBlocks:
                 counts = holders[held] - 1
                 holders[held] = counts
                 self.bindings -= int(held.size)
+                if not answer:
+                    record.held = min(record.held, first)
+                    return released, kept
                 dead = (counts == 0) & (self._v.shared[held] == 0)  # held by no one, ever
                 released = held[dead].tolist()
                 kept = int(held.size) - len(released)

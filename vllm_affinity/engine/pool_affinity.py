@@ -184,6 +184,8 @@ class PoolAffinity:
         if not groups:
             raise ValueError("vllm_affinity: no prefix-cacheable KV-cache group to track")
         self.groups = groups
+        #: Per group, its list's index in vLLM's and whether it is full attention (no hole).
+        self._group_lists = [(g.index, g.kind in DENSE_KINDS) for g in groups]
         self.tables = tuple(
             SessionBlocks(self._max_sessions, self.pool.num_gpu_blocks, g.kind in DENSE_KINDS)
             for g in groups
@@ -220,7 +222,7 @@ class PoolAffinity:
         already = self._bound.get(request_id) if appended else None
         if appended and already is None:
             return  # never bound whole (bound when it frees its blocks)
-        grown = [self._id_array(block_ids[g.index], g.kind in DENSE_KINDS) for g in self.groups]
+        grown = [self._id_array(block_ids[index], dense) for index, dense in self._group_lists]
         self._bind(session, request_id, grown, already, prompt, whole=None)
 
     def bind_request(
@@ -732,7 +734,7 @@ class PoolAffinity:
         run_due, at, exhausted = inf, 0, False
         swapped = 0
         ids: list[int] = []  # LRU's victims read so far, a chunk at a time
-        dues: dict[int, float] | None = None  # the chunk's dues where held alone, read if asked
+        dues: list[float] | dict[int, float] | None = None  # the chunk's, by position, if asked
         held: Iterator[int] = iter(())
         next_held = 0
         i = 0
@@ -755,8 +757,8 @@ class PoolAffinity:
                 at += step
                 continue
             if dues is None:
-                dues = self._dues_of(ids)
-                held = iter(dues)  # the positions whose block a session alone holds, in order
+                positions, dues = self._dues_of(ids)
+                held = iter(positions)  # where a session alone holds the block, in order
                 next_held = next(held, len(ids))
             while next_held < i:
                 next_held = next(held, len(ids))
@@ -802,19 +804,26 @@ class PoolAffinity:
             self.counters.add("blocks_predicted", swapped)
         return picks.lru, picks.chosen
 
-    def _dues_of(self, block_ids: list[int]) -> dict[int, float]:
-        """By position, the due of the session alone holding the block in some group, for the
-        blocks one holds (the others: ``inf``, no swap)."""
+    def _dues_of(self, block_ids: list[int]) -> tuple[list[int], list[float] | dict[int, float]]:
+        """The positions, ascending, of the blocks a session alone holds in some group and is
+        due back from (a due: the others, ``inf``, take no swap, as if held by none), and the
+        due by position (the first group's answer stands where two have one)."""
         assert self.returns is not None
-        found = self.tables[0].sole_holders(block_ids)
-        for table in self.tables[1:]:  # the first group's answer stands where both have one
-            found = {**table.sole_holders(block_ids), **found}
-        due_of = self.returns.due
-        dues: dict[str, float] = {}
-        for owner in found.values():
-            if owner not in dues:
-                dues[owner] = due_of(owner)
-        return {at: dues[found[at]] for at in sorted(found)}
+        due_of, inf = self.returns.due, float("inf")
+        if len(block_ids) <= FEW_BLOCKS:  # a decode step's pop: block by block
+            found: dict[int, float] = {}
+            for at, block_id in enumerate(block_ids):
+                for table in self.tables:
+                    owner = table.sole_holder(block_id)
+                    if owner is not None:
+                        found[at] = due_of(owner)
+                        break
+            return [at for at, due in found.items() if due != inf], found
+        dues = np.full(len(block_ids), inf)
+        for table in reversed(self.tables):  # the first group's answer written last
+            for owner, positions in table.sole_holders(block_ids).items():
+                dues[positions] = due_of(owner)
+        return np.flatnonzero(dues != inf).tolist(), dues.tolist()
 
     def _candidate_runs(self, take: int) -> Iterator[tuple[float, list[int]]]:
         """(due, block ids): the candidates' own queued NORMAL blocks, the session due back
