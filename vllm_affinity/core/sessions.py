@@ -121,7 +121,6 @@ class SessionBlocks:
         self._owner_index: dict[str, int] = {}
         self._owners: list[str] = []
         self._max_sessions = max_sessions
-        self.bindings = 0  # (session, block) pairs held: the sum of the holder counts
         self.evicted = 0
         self._views: _Views | None = None
         #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
@@ -131,6 +130,12 @@ class SessionBlocks:
 
     def __len__(self) -> int:
         return len(self.latest)
+
+    @property
+    def bindings(self) -> int:
+        """(session, block) pairs held: the sum of the holder counts (summed when asked, not
+        kept up on the scheduler's path)."""
+        return int(self._v.holders.sum())
 
     def holders(self, block_id: int) -> int:
         return self._holders[block_id] if 0 <= block_id < len(self._holders) else 0
@@ -266,10 +271,8 @@ class SessionBlocks:
         touched = ids[self._v.first_holder[ids] != _NOBODY]
         if not touched.size:
             return
-        holders = self._v.holders
         self._v.generation[touched] += 1
-        self.bindings -= int(holders[touched].sum())
-        holders[touched] = 0
+        self._v.holders[touched] = 0
         self._v.first_holder[touched] = _NOBODY
         self._v.shared[touched] = 0
 
@@ -279,7 +282,6 @@ class SessionBlocks:
         for block_id in block_ids:
             if 0 <= block_id < size and first[block_id] != _NOBODY:
                 self._generation[block_id] += 1
-                self.bindings -= self._holders[block_id]
                 self._holders[block_id] = 0
                 first[block_id] = _NOBODY
                 self._shared[block_id] = 0
@@ -317,7 +319,7 @@ class SessionBlocks:
             return {self._owners[low]: positions} if positions.size else {}
         return {
             self._owners[index]: positions[indices == index]
-            for index in np.unique(indices).tolist()
+            for index in set(indices.tolist())
         }
 
     def is_shared(self, block_id: int) -> bool:
@@ -492,15 +494,15 @@ class SessionBlocks:
             record.block_ids.frombytes(ids.astype(np.int32, copy=False).tobytes())
             record.generations.frombytes(generations.tobytes())
             held = ids[ids != HOLE] if holes else ids
-            views.holders[held] += 1
             was = views.first_holder[held]
             if (was == _NOBODY).all():  # new content, the usual case: no one else held it
+                views.holders[held] = 1  # no first holder: no holder (only ``unbind`` clears it)
                 views.first_holder[held] = owner
             else:
+                views.holders[held] += 1
                 fresh = was == _NOBODY
                 views.first_holder[held[fresh]] = owner
                 views.shared[held[~fresh & (was != owner)]] = 1
-            self.bindings += int(held.size)
         record.held = len(record.block_ids)
 
     def _hold_few(self, owner: int, record: SessionRecord, ids: list[int]) -> None:
@@ -520,7 +522,6 @@ class SessionBlocks:
                 first[block_id] = owner
             elif was != owner:
                 shared[block_id] = 1
-            self.bindings += 1
 
     def _let_go(
         self, record: SessionRecord, first: int, answer: bool = True
@@ -537,7 +538,6 @@ class SessionBlocks:
                 holders = self._v.holders
                 counts = holders[held] - 1
                 holders[held] = counts
-                self.bindings -= int(held.size)
                 if not answer:
                     record.held = min(record.held, first)
                     return released, kept
@@ -549,7 +549,7 @@ class SessionBlocks:
 
     def check(self) -> list[str]:
         """Invariant violations (empty when consistent): every holder count equals the number
-        of records holding the block's current content, and ``bindings`` is their sum."""
+        of records holding the block's current content."""
         counts = np.zeros(len(self._holders), np.int64)
         for record in self.latest.values():
             ids, live = self._live(record, 0, record.held)
@@ -559,8 +559,6 @@ class SessionBlocks:
             f"block {b}: {holders[b]} holders counted, {counts[b]} records"
             for b in np.flatnonzero(counts != holders).tolist()
         ]
-        if self.bindings != int(counts.sum()):
-            problems.append(f"bindings {self.bindings} != {int(counts.sum())} held")
         if len(self.latest) > self._max_sessions:
             problems.append(f"{len(self.latest)} sessions over the limit {self._max_sessions}")
         return problems

@@ -819,9 +819,12 @@ class PoolAffinity:
                         found[at] = due_of(owner)
                         break
             return [at for at, due in found.items() if due != inf], found
+        held = [table.sole_holders(block_ids) for table in self.tables]
+        if not any(held):  # mostly, once a 16k-token pool is full
+            return [], {}
         dues = np.full(len(block_ids), inf)
-        for table in reversed(self.tables):  # the first group's answer written last
-            for owner, positions in table.sole_holders(block_ids).items():
+        for found in reversed(held):  # the first group's answer written last
+            for owner, positions in found.items():
                 dues[positions] = due_of(owner)
         return np.flatnonzero(dues != inf).tolist(), dues.tolist()
 
