@@ -317,10 +317,7 @@ class SessionBlocks:
         low, high = int(indices.min()), int(indices.max())
         if low == high:  # one session holds them all
             return {self._owners[low]: positions} if positions.size else {}
-        return {
-            self._owners[index]: positions[indices == index]
-            for index in set(indices.tolist())
-        }
+        return {self._owners[index]: positions[indices == index] for index in set(indices.tolist())}
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
