@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from vllm_affinity.core import HOLE, SessionBlocks, common_prefix_length, first_stale_block
+from vllm_affinity.core.block_states import BlockStates
 
 
 def table_with(*sessions: tuple[str, list[int]]) -> SessionBlocks:
@@ -392,7 +394,7 @@ def test_owner_names_stay_bounded_and_keep_their_meaning() -> None:
     for i in range(1100):
         table.record(f"s{i}", [1000 + i], 0, f"r{i}")
         table.record("live", [7], 0, "live")  # kept in the table, its record carried over
-    assert len(table._owners) < 1100  # the names were forgotten once at least
+    assert len(table.blocks.owners) < 1100  # the names were forgotten once at least
     assert table.sole_holder(7) == "live"
     assert table.holders(5) == 0 and not table.is_shared(5)
     table.record("late", [5], 0, "late")  # "gone" held block 5's content first
@@ -418,3 +420,25 @@ def test_sole_holders_answers_by_session_the_positions_it_alone_holds() -> None:
     assert set(expected) == {"a", "b", "c"} and 3 not in expected["a"] + expected["b"]
     assert {o: p.tolist() for o, p in table.sole_holders([1, 2, 35, 3]).items()} == {"a": [0, 1, 3]}
     assert table.sole_holders([35, 45, 10**6]) == {}  # shared, reused, beyond
+
+
+def test_the_tables_of_a_models_groups_share_one_block_state() -> None:
+    """A block serves one KV-cache group at a time: the groups' tables share one
+    ``BlockStates``, so a reused block is let go of once for all of them, each table still
+    counts and selects its own records' blocks, and the holder counts check against the
+    records of every table sharing them."""
+    states = BlockStates()
+    full, window = SessionBlocks(blocks=states), SessionBlocks(blocks=states)
+    full.record("a", [1, 2, 3], 0, "r")
+    window.record("a", [HOLE, 7, 8], 0, "r")
+    full.record("b", [1, 4], 0, "q")
+    assert full.check([window]) == []
+    assert full.check() != []  # alone, the window's holds look like nobody's
+    states.unbind([2, 7])  # once, whatever group they served
+    assert full.unreused("a", 0) == [1, 3] and window.unreused("a", 0) == [8]
+    assert (full.bindings, window.bindings) == (4, 1)
+    assert full.sole_holder(3) == window.sole_holder(8) == "a" and full.sole_holder(1) is None
+    assert window.select_release("a", 0).block_ids == [8]
+    assert full.check([window]) == []
+    with pytest.raises(ValueError, match="shares no block state"):
+        full.check([SessionBlocks()])

@@ -40,6 +40,7 @@ from typing import Literal
 
 import numpy as np
 
+from .block_states import FEW_BLOCKS, GONE, NOBODY, BlockStates, BlockViews
 from .compaction import owner_of
 
 #: ``running``: an idle selection of a session whose request runs (nothing selected).
@@ -49,13 +50,6 @@ SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
 HOLE = -1
 
 
-#: ``_first_holder`` marks: no record has held the block's content; its first holder's owner
-#: left the table (another session, as far as a new holder is concerned).
-_NOBODY, _GONE = -1, -2
-#: Up to this many blocks, a hold or unbind goes block by block (numpy's set-up costs more).
-FEW_BLOCKS = 24
-
-
 def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
     """The length of the longest common prefix of two equally long arrays."""
     if not len(a):
@@ -63,16 +57,6 @@ def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
     differ = a != b
     first = int(differ.argmax())
     return first if differ[first] else len(a)
-
-
-@dataclass(frozen=True, slots=True)
-class _Views:
-    """numpy views of a table's per-block arrays (by block id)."""
-
-    holders: np.ndarray
-    generation: np.ndarray
-    first_holder: np.ndarray
-    shared: np.ndarray
 
 
 @dataclass(slots=True)
@@ -104,48 +88,54 @@ class ReleaseSelection:
 class SessionBlocks:
     """Bounded session → latest-request blocks table with a holder count per block.
 
-    The per-block state lives in flat arrays indexed by block id (vLLM's ids are dense, fixed
-    at start-up: ``capacity``, grown on demand past it), so a request's blocks are held, let go
-    and checked in a few vectorised steps (numpy views of the arrays) rather than a Python step
-    per block: at GPU scale a request brings thousands. Per block of the pool: 13 bytes."""
+    The per-block state lives in flat arrays indexed by block id (``block_states.py``), so a
+    request's blocks are held, let go and checked in a few vectorised steps (numpy views of the
+    arrays) rather than a Python step per block: at GPU scale a request brings thousands. The
+    tables of a model's KV-cache groups share one ``BlockStates`` (a block serves one group at
+    a time): a reused block is let go of once for all of them."""
 
-    def __init__(self, max_sessions: int = 100_000, capacity: int = 0, dense: bool = False) -> None:
-        """``dense``: a full-attention group's table, whose records never have a ``HOLE``."""
+    def __init__(
+        self,
+        max_sessions: int = 100_000,
+        capacity: int = 0,
+        dense: bool = False,
+        blocks: BlockStates | None = None,
+    ) -> None:
+        """``dense``: a full-attention group's table, whose records never have a ``HOLE``.
+        ``blocks``: the per-block state it shares with other tables (else its own)."""
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self.latest: OrderedDict[str, SessionRecord] = OrderedDict()
-        self._holders = array("i")  # block id → records holding its current content
-        self._generation = array("I")  # block id → times reused for new content
-        self._first_holder = array("i")  # block id → owner index of its first holder
-        self._shared = bytearray()  # block id → 1 when a second session held its content
-        self._owner_index: dict[str, int] = {}
-        self._owners: list[str] = []
+        self.blocks = blocks or BlockStates(capacity)
+        self.blocks.ensure(capacity)
+        # the shared arrays themselves (they grow in place), for the block-by-block paths
+        self._holders = self.blocks.holders
+        self._generation = self.blocks.generation
+        self._first_holder = self.blocks.first_holder
+        self._shared = self.blocks.shared
         self._max_sessions = max_sessions
         self.evicted = 0
-        self._views: _Views | None = None
         #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
         self.few = FEW_BLOCKS
         self._dense = dense
-        self._ensure(capacity)
 
     def __len__(self) -> int:
         return len(self.latest)
 
     @property
     def bindings(self) -> int:
-        """(session, block) pairs held: the sum of the holder counts (summed when asked, not
-        kept up on the scheduler's path)."""
-        return int(self._v.holders.sum())
+        """(session, block) pairs this table's records hold (counted when asked, not kept up on
+        the scheduler's path)."""
+        return sum(int(self._live(r, 0, r.held)[1].sum()) for r in self.latest.values())
 
     def holders(self, block_id: int) -> int:
         return self._holders[block_id] if 0 <= block_id < len(self._holders) else 0
 
     @property
     def block_state_bytes(self) -> int:
-        """What the per-block arrays and the owner names take."""
-        arrays = (self._holders, self._generation, self._first_holder)
-        size = sum(a.itemsize * len(a) for a in arrays) + len(self._shared)
-        return size + sys.getsizeof(self._owner_index) + sys.getsizeof(self._owners)
+        """What the per-block arrays and the owner names take (shared with other tables over
+        the same ``BlockStates``)."""
+        return self.blocks.nbytes
 
     def record(
         self, session: str, block_ids: Sequence[int], num_prompt_tokens: int, request_id: str = ""
@@ -260,31 +250,9 @@ class SessionBlocks:
             self._let_go(record, 0, answer=False)
 
     def unbind(self, block_ids: Sequence[int]) -> None:
-        """These blocks are being reused for new content: no record holds them any more."""
-        if len(block_ids) <= self.few:
-            self._unbind_few(block_ids)
-            return
-        ids = self._as_ids(block_ids)  # vLLM's ids: never negative
-        # Only a block whose current content some record held (a first holder: set by every
-        # hold, cleared only here) can have a record entry still valid: the others' entries
-        # are stale already, and a fresh block from vLLM's free list changes nothing.
-        touched = ids[self._v.first_holder[ids] != _NOBODY]
-        if not touched.size:
-            return
-        self._v.generation[touched] += 1
-        self._v.holders[touched] = 0
-        self._v.first_holder[touched] = _NOBODY
-        self._v.shared[touched] = 0
-
-    def _unbind_few(self, block_ids: Sequence[int]) -> None:
-        """``unbind`` block by block."""
-        first, size = self._first_holder, len(self._first_holder)
-        for block_id in block_ids:
-            if 0 <= block_id < size and first[block_id] != _NOBODY:
-                self._generation[block_id] += 1
-                self._holders[block_id] = 0
-                first[block_id] = _NOBODY
-                self._shared[block_id] = 0
+        """These blocks are being reused for new content: no record holds them any more (in
+        any table sharing this one's ``BlockStates``)."""
+        self.blocks.unbind(block_ids)
 
     def sole_holder(self, block_id: int) -> str | None:
         """The session whose record alone holds the block's content and no other session
@@ -292,7 +260,7 @@ class SessionBlocks:
         if block_id >= len(self._holders) or self._holders[block_id] != 1:
             return None
         first = self._first_holder[block_id]
-        return None if self._shared[block_id] or first < 0 else self._owners[first]
+        return None if self._shared[block_id] or first < 0 else self.blocks.owners[first]
 
     def sole_holders(self, block_ids: Sequence[int]) -> dict[str, np.ndarray]:
         """By session (owner), the positions in ``block_ids`` of the blocks it alone holds
@@ -315,9 +283,10 @@ class SessionBlocks:
         positions = np.flatnonzero(sole)
         indices = first[positions]
         low, high = int(indices.min()), int(indices.max())
+        owners = self.blocks.owners
         if low == high:  # one session holds them all
-            return {self._owners[low]: positions} if positions.size else {}
-        return {self._owners[index]: positions[indices == index] for index in set(indices.tolist())}
+            return {owners[low]: positions} if positions.size else {}
+        return {owners[index]: positions[indices == index] for index in set(indices.tolist())}
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
@@ -385,39 +354,14 @@ class SessionBlocks:
 
     # -- internals ----------------------------------------------------------------------------
     def _ensure(self, size: int) -> None:
-        """Room for block ids below ``size`` (at least doubling: amortised)."""
-        have = len(self._holders)
-        if size <= have:
-            return
-        extra = max(size - have, have)
-        self._views = None  # a view pins its array's size: none while they grow
-        self._holders.frombytes(bytes(4 * extra))
-        self._generation.frombytes(bytes(4 * extra))
-        self._first_holder.frombytes(array("i", [_NOBODY]).tobytes() * extra)
-        self._shared.extend(bytes(extra))
-        self._views = _Views(
-            np.frombuffer(self._holders, np.int32),
-            np.frombuffer(self._generation, np.uint32),
-            np.frombuffer(self._first_holder, np.int32),
-            np.frombuffer(self._shared, np.uint8),
-        )
+        self.blocks.ensure(size)
 
     @property
-    def _v(self) -> _Views:
-        """numpy views of the per-block arrays (made when they last grew)."""
-        if self._views is None:
-            self._ensure(1)
-        assert self._views is not None
-        return self._views
+    def _v(self) -> BlockViews:
+        return self.blocks.views
 
     def _as_ids(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Block ids as an int32 array, the per-block arrays large enough for them."""
-        ids = np.asarray(block_ids, np.int32)
-        if ids.size:
-            top = int(ids.max())
-            if top >= len(self._holders):
-                self._ensure(top + 1)
-        return ids
+        return self.blocks.as_ids(block_ids)
 
     def _fitted(self, block_ids: list[int]) -> list[int]:
         """A few block ids as they are, the per-block arrays large enough for them."""
@@ -453,30 +397,35 @@ class SessionBlocks:
 
     def _owner(self, session: str) -> int:
         """The index of ``session``'s owner (a side branch shares its own session's blocks)."""
-        index = self._owner_index.get(session)  # a plain session, its own owner: no split
+        owner_index = self.blocks.owner_index
+        index = owner_index.get(session)  # a plain session, its own owner: no split
         if index is not None:
             return index
         owner = owner_of(session)
-        index = self._owner_index.get(owner)
+        index = owner_index.get(owner)
         if index is None:
-            if len(self._owners) >= 2 * self._max_sessions + 1024:
+            owners = self.blocks.owners
+            if len(owners) >= 2 * self._max_sessions + 1024:
                 self._forget_owners()
-            index = self._owner_index[owner] = len(self._owners)
-            self._owners.append(owner)
+            index = owner_index[owner] = len(owners)
+            owners.append(owner)
         return index
 
     def _forget_owners(self) -> None:
-        """Keep the owner names of the sessions in the table; blocks first held by the others
-        keep a mark that matches no owner (``_GONE``: another session held them)."""
+        """Keep the owner names of the sessions in the table (every table sharing its
+        ``BlockStates`` knows the same sessions); blocks first held by the others keep a mark
+        that matches no owner (``GONE``: another session held them)."""
+        owners, owner_index = self.blocks.owners, self.blocks.owner_index
         keep = list(dict.fromkeys(owner_of(session) for session in self.latest))
-        remap = np.full(len(self._owners), _GONE, np.int32)
+        remap = np.full(len(owners), GONE, np.int32)
         for new, owner in enumerate(keep):
-            remap[self._owner_index[owner]] = new
+            remap[owner_index[owner]] = new
         first = self._v.first_holder
         known = first >= 0
         first[known] = remap[first[known]]
-        self._owners = keep
-        self._owner_index = {owner: i for i, owner in enumerate(keep)}
+        owners[:] = keep  # in place: shared
+        owner_index.clear()
+        owner_index.update((owner, i) for i, owner in enumerate(keep))
 
     def _hold(self, session: str, record: SessionRecord, ids: np.ndarray | list[int]) -> None:
         owner = self._owner(session)
@@ -492,12 +441,12 @@ class SessionBlocks:
             record.generations.frombytes(generations.tobytes())
             held = ids[ids != HOLE] if holes else ids
             was = views.first_holder[held]
-            if (was == _NOBODY).all():  # new content, the usual case: no one else held it
+            if (was == NOBODY).all():  # new content, the usual case: no one else held it
                 views.holders[held] = 1  # no first holder: no holder (only ``unbind`` clears it)
                 views.first_holder[held] = owner
             else:
                 views.holders[held] += 1
-                fresh = was == _NOBODY
+                fresh = was == NOBODY
                 views.first_holder[held[fresh]] = owner
                 views.shared[held[~fresh & (was != owner)]] = 1
         record.held = len(record.block_ids)
@@ -515,7 +464,7 @@ class SessionBlocks:
             record.generations.append(generation[block_id])
             holders[block_id] += 1
             was = first[block_id]
-            if was == _NOBODY:
+            if was == NOBODY:
                 first[block_id] = owner
             elif was != owner:
                 shared[block_id] = 1
@@ -544,18 +493,25 @@ class SessionBlocks:
         record.held = min(record.held, first)
         return released, kept
 
-    def check(self) -> list[str]:
+    def check(self, sharing: Sequence[SessionBlocks] = ()) -> list[str]:
         """Invariant violations (empty when consistent): every holder count equals the number
-        of records holding the block's current content."""
+        of records holding the block's current content, in this table and the ``sharing``
+        tables over the same ``BlockStates`` (whose records count too)."""
         counts = np.zeros(len(self._holders), np.int64)
-        for record in self.latest.values():
-            ids, live = self._live(record, 0, record.held)
-            np.add.at(counts, ids[live], 1)
+        for table in (self, *sharing):
+            if table.blocks is not self.blocks:
+                raise ValueError("check: a table that shares no block state with this one")
+            for record in table.latest.values():
+                ids, live = table._live(record, 0, record.held)
+                np.add.at(counts, ids[live], 1)
         holders = self._v.holders
         problems = [
             f"block {b}: {holders[b]} holders counted, {counts[b]} records"
             for b in np.flatnonzero(counts != holders).tolist()
         ]
-        if len(self.latest) > self._max_sessions:
-            problems.append(f"{len(self.latest)} sessions over the limit {self._max_sessions}")
+        for table in (self, *sharing):
+            if len(table.latest) > table._max_sessions:
+                problems.append(
+                    f"{len(table.latest)} sessions over the limit {table._max_sessions}"
+                )
         return problems

@@ -35,7 +35,6 @@ import logging
 from time import perf_counter_ns
 from typing import Any
 
-import numpy as np
 import wrapt
 
 from jiuwen_kv_protocol.models import ReleaseMode
@@ -44,7 +43,6 @@ from ..compat import check_supported_vllm
 from ..core.answer_chains import Answer, AnswerChains, ChainWindow
 from ..core.compaction import AgentWindow, CompactionRule, Window
 from ..core.groups import KVGroup, kind_of
-from ..core.sessions import FEW_BLOCKS
 from ..settings import Settings
 from .pool_affinity import PoolAffinity, affinity_of, session_of
 
@@ -114,11 +112,7 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance)
     if state is not None:
         start = perf_counter_ns()
-        ids: Any = [block.block_id for block in blocks]
-        if len(ids) > FEW_BLOCKS:  # one array for every group's table
-            ids = np.fromiter(ids, np.int32, len(ids))
-        for table in state.tables:
-            table.unbind(ids)
+        state.block_states.unbind([block.block_id for block in blocks])  # every group's
         state.engine_ns += perf_counter_ns() - start
     return blocks
 

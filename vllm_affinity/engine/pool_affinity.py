@@ -39,6 +39,7 @@ from ..core import (
     SessionBlocks,
     first_stale_block,
 )
+from ..core.block_states import BlockStates
 from ..core.compaction import owner_of, retried_branch, settling_branch, side_branch
 from ..core.counters import Counters
 from ..core.groups import KVGroup
@@ -186,8 +187,10 @@ class PoolAffinity:
         self.groups = groups
         #: Per group, its list's index in vLLM's and whether it is full attention (no hole).
         self._group_lists = [(g.index, g.kind in DENSE_KINDS) for g in groups]
+        #: Per block of the pool, who holds its content: one for every group's table.
+        self.block_states = BlockStates(self.pool.num_gpu_blocks)
         self.tables = tuple(
-            SessionBlocks(self._max_sessions, self.pool.num_gpu_blocks, g.kind in DENSE_KINDS)
+            SessionBlocks(self._max_sessions, 0, g.kind in DENSE_KINDS, self.block_states)
             for g in groups
         )
         #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
@@ -896,7 +899,7 @@ class PoolAffinity:
         """Invariant violations of the pool, the queue and the session tables (empty when all
         hold). ``idle``: no request is running, so nothing may be in use or pending."""
         queue = self.queue
-        problems = [p for table in self.tables for p in table.check()] + self.subagents.check()
+        problems = self.tables[0].check(self.tables[1:]) + self.subagents.check()
         known = [set(table.latest) for table in self.tables]
         if any(k != known[0] for k in known):
             problems.append("the groups' session tables know different sessions")

@@ -1,0 +1,124 @@
+"""Pure core: per KV block of the pool, who holds its current content (no vLLM import).
+
+One ``BlockStates`` per ``BlockPool``, shared by the session tables of every KV-cache group
+(``sessions.py``): vLLM's pool hands each block to one group at a time, so one set of arrays
+serves them all, and a block handed out for new content is let go of once (``unbind``), whatever
+group it served before. Per block of the pool: 13 bytes.
+
+Per block, by block id (vLLM's ids are dense, fixed at start-up: ``capacity``, grown on demand
+past it): how many records hold its current content, its generation (times reused for new
+content: a record that names it with an older one holds nothing there), the owner index of its
+first holder, and whether a second session held that content. The owners are session names
+without their branch (``core/compaction.py``), indexed once.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: ``first_holder`` marks: no record has held the block's content; its first holder's owner
+#: left the tables (another session, as far as a new holder is concerned).
+NOBODY, GONE = -1, -2
+#: Up to this many blocks, a hold or unbind goes block by block (numpy's set-up costs more).
+FEW_BLOCKS = 24
+
+
+@dataclass(frozen=True, slots=True)
+class BlockViews:
+    """numpy views of the per-block arrays (by block id)."""
+
+    holders: np.ndarray
+    generation: np.ndarray
+    first_holder: np.ndarray
+    shared: np.ndarray
+
+
+class BlockStates:
+    """The per-block arrays (``array`` for a few Python steps, numpy views for many) and the
+    owner names. The arrays grow in place, so a table may keep a reference to them; a numpy
+    view pins its array's size, so none outlives a call but ``views`` (remade as they grow)."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.holders = array("i")  # block id → records holding its current content
+        self.generation = array("I")  # block id → times reused for new content
+        self.first_holder = array("i")  # block id → owner index of its first holder
+        self.shared = bytearray()  # block id → 1 when a second session held its content
+        self.owner_index: dict[str, int] = {}
+        self.owners: list[str] = []
+        self._views: BlockViews | None = None
+        self.ensure(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        """What the per-block arrays and the owner names take."""
+        arrays = (self.holders, self.generation, self.first_holder)
+        size = sum(a.itemsize * len(a) for a in arrays) + len(self.shared)
+        return size + sys.getsizeof(self.owner_index) + sys.getsizeof(self.owners)
+
+    @property
+    def views(self) -> BlockViews:
+        """numpy views of the per-block arrays (made when they last grew)."""
+        if self._views is None:
+            self.ensure(1)
+        assert self._views is not None
+        return self._views
+
+    def ensure(self, size: int) -> None:
+        """Room for block ids below ``size`` (at least doubling: amortised)."""
+        have = len(self.holders)
+        if size <= have:
+            return
+        extra = max(size - have, have)
+        self._views = None  # a view pins its array's size: none while they grow
+        self.holders.frombytes(bytes(4 * extra))
+        self.generation.frombytes(bytes(4 * extra))
+        self.first_holder.frombytes(array("i", [NOBODY]).tobytes() * extra)
+        self.shared.extend(bytes(extra))
+        self._views = BlockViews(
+            np.frombuffer(self.holders, np.int32),
+            np.frombuffer(self.generation, np.uint32),
+            np.frombuffer(self.first_holder, np.int32),
+            np.frombuffer(self.shared, np.uint8),
+        )
+
+    def as_ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Block ids as an int32 array, the arrays large enough for them."""
+        ids = np.asarray(block_ids, np.int32)
+        if ids.size:
+            top = int(ids.max())
+            if top >= len(self.holders):
+                self.ensure(top + 1)
+        return ids
+
+    def unbind(self, block_ids: Sequence[int]) -> None:
+        """These blocks are being reused for new content: no record holds them any more."""
+        if len(block_ids) <= FEW_BLOCKS:
+            self._unbind_few(block_ids)
+            return
+        ids = self.as_ids(block_ids)  # vLLM's ids: never negative
+        views = self.views
+        # Only a block whose current content some record held (a first holder: set by every
+        # hold, cleared only here) can have a record entry still valid: the others' entries
+        # are stale already, and a fresh block from vLLM's free list changes nothing.
+        touched = ids[views.first_holder[ids] != NOBODY]
+        if not touched.size:
+            return
+        views.generation[touched] += 1
+        views.holders[touched] = 0
+        views.first_holder[touched] = NOBODY
+        views.shared[touched] = 0
+
+    def _unbind_few(self, block_ids: Sequence[int]) -> None:
+        """``unbind`` block by block."""
+        first, size = self.first_holder, len(self.first_holder)
+        for block_id in block_ids:
+            if 0 <= block_id < size and first[block_id] != NOBODY:
+                self.generation[block_id] += 1
+                self.holders[block_id] = 0
+                first[block_id] = NOBODY
+                self.shared[block_id] = 0
