@@ -808,27 +808,24 @@ class PoolAffinity:
         return picks.lru, picks.chosen
 
     def _dues_of(self, block_ids: list[int]) -> tuple[list[int], list[float] | dict[int, float]]:
-        """The positions, ascending, of the blocks a session alone holds in some group and is
-        due back from (a due: the others, ``inf``, take no swap, as if held by none), and the
-        due by position (the first group's answer stands where two have one)."""
+        """The positions, ascending, of the blocks a session alone holds and is due back from
+        (a due: the others, ``inf``, take no swap, as if held by none), and the due by position.
+        Who holds a block is the pool's ``BlockStates``: every group's table answers alike."""
         assert self.returns is not None
-        due_of, inf = self.returns.due, float("inf")
+        table, due_of, inf = self.tables[0], self.returns.due, float("inf")
         if len(block_ids) <= FEW_BLOCKS:  # a decode step's pop: block by block
             found: dict[int, float] = {}
             for at, block_id in enumerate(block_ids):
-                for table in self.tables:
-                    owner = table.sole_holder(block_id)
-                    if owner is not None:
-                        found[at] = due_of(owner)
-                        break
+                owner = table.sole_holder(block_id)
+                if owner is not None:
+                    found[at] = due_of(owner)
             return [at for at, due in found.items() if due != inf], found
-        held = [table.sole_holders(block_ids) for table in self.tables]
-        if not any(held):  # mostly, once a 16k-token pool is full
+        held = table.sole_holders(block_ids)
+        if not held:  # mostly, once a 16k-token pool is full
             return [], {}
         dues = np.full(len(block_ids), inf)
-        for found in reversed(held):  # the first group's answer written last
-            for owner, positions in found.items():
-                dues[positions] = due_of(owner)
+        for owner, positions in held.items():
+            dues[positions] = due_of(owner)
         return np.flatnonzero(dues != inf).tolist(), dues.tolist()
 
     def _candidate_runs(self, take: int) -> Iterator[tuple[float, list[int]]]:
