@@ -3,13 +3,17 @@
 One ``BlockStates`` per ``BlockPool``, shared by the session tables of every KV-cache group
 (``sessions.py``): vLLM's pool hands each block to one group at a time, so one set of arrays
 serves them all, and a block handed out for new content is let go of once (``unbind``), whatever
-group it served before. Per block of the pool: 13 bytes.
+group it served before. Per block of the pool: 12 bytes.
 
 Per block, by block id (vLLM's ids are dense, fixed at start-up: ``capacity``, grown on demand
 past it): how many records hold its current content, its generation (times reused for new
-content: a record that names it with an older one holds nothing there), the owner index of its
-first holder, and whether a second session held that content. The owners are session names
-without their branch (``core/compaction.py``), indexed once.
+content: a record that names it with an older one holds nothing there), and the owner index of
+its first holder, or ``SHARED`` once a second session held that content. The owners are session
+names without their branch (``core/compaction.py``), indexed once.
+
+A block handed out again (``unbind``) gets a new generation and no first holder (``NOBODY``),
+and nothing else is written: its holder count means something only while it has a first
+holder (a hold of fresh content sets it), so a reused block costs two writes, not four.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 #: ``first_holder`` marks: no record has held the block's content; its first holder's owner
-#: left the tables (another session, as far as a new holder is concerned).
-NOBODY, GONE = -1, -2
+#: left the tables (another session, as far as a new holder is concerned); a second session
+#: held it (its content is not one session's to declare dead).
+NOBODY, GONE, SHARED = -1, -2, -3
 #: Up to this many blocks, a hold or unbind goes block by block (numpy's set-up costs more).
 FEW_BLOCKS = 24
 
@@ -35,7 +40,6 @@ class BlockViews:
     holders: np.ndarray
     generation: np.ndarray
     first_holder: np.ndarray
-    shared: np.ndarray
 
 
 class BlockStates:
@@ -46,8 +50,7 @@ class BlockStates:
     def __init__(self, capacity: int = 0) -> None:
         self.holders = array("i")  # block id → records holding its current content
         self.generation = array("I")  # block id → times reused for new content
-        self.first_holder = array("i")  # block id → owner index of its first holder
-        self.shared = bytearray()  # block id → 1 when a second session held its content
+        self.first_holder = array("i")  # block id → owner index of its first holder, or a mark
         self.owner_index: dict[str, int] = {}
         self.owners: list[str] = []
         self._views: BlockViews | None = None
@@ -57,7 +60,7 @@ class BlockStates:
     def nbytes(self) -> int:
         """What the per-block arrays and the owner names take."""
         arrays = (self.holders, self.generation, self.first_holder)
-        size = sum(a.itemsize * len(a) for a in arrays) + len(self.shared)
+        size = sum(a.itemsize * len(a) for a in arrays)
         return size + sys.getsizeof(self.owner_index) + sys.getsizeof(self.owners)
 
     @property
@@ -78,12 +81,10 @@ class BlockStates:
         self.holders.frombytes(bytes(4 * extra))
         self.generation.frombytes(bytes(4 * extra))
         self.first_holder.frombytes(array("i", [NOBODY]).tobytes() * extra)
-        self.shared.extend(bytes(extra))
         self._views = BlockViews(
             np.frombuffer(self.holders, np.int32),
             np.frombuffer(self.generation, np.uint32),
             np.frombuffer(self.first_holder, np.int32),
-            np.frombuffer(self.shared, np.uint8),
         )
 
     def as_ids(self, block_ids: Sequence[int]) -> np.ndarray:
@@ -95,23 +96,23 @@ class BlockStates:
                 self.ensure(top + 1)
         return ids
 
+    def holders_of(self, block_id: int) -> int:
+        """How many records hold the block's current content."""
+        if not 0 <= block_id < len(self.holders) or self.first_holder[block_id] == NOBODY:
+            return 0
+        return self.holders[block_id]
+
     def unbind(self, block_ids: Sequence[int]) -> None:
-        """These blocks are being reused for new content: no record holds them any more."""
+        """These blocks are being reused for new content: no record holds them any more (a
+        block no record held changes nothing that is read: its count and first holder are
+        written afresh by the next hold)."""
         if len(block_ids) <= FEW_BLOCKS:
             self._unbind_few(block_ids)
             return
-        ids = self.as_ids(block_ids)  # vLLM's ids: never negative
+        ids = self.as_ids(block_ids)  # vLLM's ids: never negative, never repeated in one call
         views = self.views
-        # Only a block whose current content some record held (a first holder: set by every
-        # hold, cleared only here) can have a record entry still valid: the others' entries
-        # are stale already, and a fresh block from vLLM's free list changes nothing.
-        touched = ids[views.first_holder[ids] != NOBODY]
-        if not touched.size:
-            return
-        views.generation[touched] += 1
-        views.holders[touched] = 0
-        views.first_holder[touched] = NOBODY
-        views.shared[touched] = 0
+        views.generation[ids] += 1
+        views.first_holder[ids] = NOBODY
 
     def _unbind_few(self, block_ids: Sequence[int]) -> None:
         """``unbind`` block by block."""
@@ -119,6 +120,4 @@ class BlockStates:
         for block_id in block_ids:
             if 0 <= block_id < size and first[block_id] != NOBODY:
                 self.generation[block_id] += 1
-                self.holders[block_id] = 0
                 first[block_id] = NOBODY
-                self.shared[block_id] = 0

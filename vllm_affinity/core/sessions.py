@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from .block_states import FEW_BLOCKS, GONE, NOBODY, BlockStates, BlockViews
+from .block_states import FEW_BLOCKS, GONE, NOBODY, SHARED, BlockStates, BlockViews
 from .compaction import owner_of
 
 #: ``running``: an idle selection of a session whose request runs (nothing selected).
@@ -112,7 +112,6 @@ class SessionBlocks:
         self._holders = self.blocks.holders
         self._generation = self.blocks.generation
         self._first_holder = self.blocks.first_holder
-        self._shared = self.blocks.shared
         self._max_sessions = max_sessions
         self.evicted = 0
         #: Up to this many blocks, a hold or unbind goes block by block (0: always vectorised).
@@ -129,7 +128,7 @@ class SessionBlocks:
         return sum(int(self._live(r, 0, r.held)[1].sum()) for r in self.latest.values())
 
     def holders(self, block_id: int) -> int:
-        return self._holders[block_id] if 0 <= block_id < len(self._holders) else 0
+        return self.blocks.holders_of(block_id)
 
     @property
     def block_state_bytes(self) -> int:
@@ -259,8 +258,8 @@ class SessionBlocks:
         ever held (side branches count as their session); ``None`` otherwise."""
         if block_id >= len(self._holders) or self._holders[block_id] != 1:
             return None
-        first = self._first_holder[block_id]
-        return None if self._shared[block_id] or first < 0 else self.blocks.owners[first]
+        first = self._first_holder[block_id]  # none (a stale count), shared or gone: < 0
+        return None if first < 0 else self.blocks.owners[first]
 
     def sole_holders(self, block_ids: Sequence[int]) -> dict[str, np.ndarray]:
         """By session (owner), the positions in ``block_ids`` of the blocks it alone holds
@@ -277,20 +276,21 @@ class SessionBlocks:
             sole &= ~beyond
         if not sole.any():  # mostly: a picker's victims are let go of, or shared
             return {}
-        sole &= self._v.shared[ids] == 0
         first = self._v.first_holder[ids]
-        sole &= first >= 0
+        sole &= first >= 0  # not shared, gone, or a stale count of a reused block
         positions = np.flatnonzero(sole)
+        if not positions.size:
+            return {}
         indices = first[positions]
         low, high = int(indices.min()), int(indices.max())
         owners = self.blocks.owners
         if low == high:  # one session holds them all
-            return {owners[low]: positions} if positions.size else {}
+            return {owners[low]: positions}
         return {owners[index]: positions[indices == index] for index in set(indices.tolist())}
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one session has held the block's current content."""
-        return 0 <= block_id < len(self._shared) and bool(self._shared[block_id])
+        return 0 <= block_id < len(self._first_holder) and self._first_holder[block_id] == SHARED
 
     def select_release(self, session: str, first_block: int) -> ReleaseSelection:
         """Blocks to release for ``session`` from block index ``first_block`` of its latest
@@ -392,7 +392,7 @@ class SessionBlocks:
         """Which blocks one record alone holds and no other session ever did."""
         safe = np.maximum(ids, 0)
         holders = self._v.holders[safe]
-        alone: np.ndarray = (holders == 1) & (self._v.shared[safe] == 0)
+        alone: np.ndarray = (holders == 1) & (self._v.first_holder[safe] != SHARED)
         return alone
 
     def _owner(self, session: str) -> int:
@@ -442,32 +442,33 @@ class SessionBlocks:
             held = ids[ids != HOLE] if holes else ids
             was = views.first_holder[held]
             if (was == NOBODY).all():  # new content, the usual case: no one else held it
-                views.holders[held] = 1  # no first holder: no holder (only ``unbind`` clears it)
+                views.holders[held] = 1  # no first holder: no holder (a stale count)
                 views.first_holder[held] = owner
             else:
-                views.holders[held] += 1
                 fresh = was == NOBODY
+                views.holders[held[~fresh]] += 1  # a request names a block once
+                views.holders[held[fresh]] = 1
                 views.first_holder[held[fresh]] = owner
-                views.shared[held[~fresh & (was != owner)]] = 1
+                views.first_holder[held[~fresh & (was != owner)]] = SHARED
         record.held = len(record.block_ids)
 
     def _hold_few(self, owner: int, record: SessionRecord, ids: list[int]) -> None:
         """``_hold`` block by block."""
-        holders, generation, first, shared = (
-            self._holders, self._generation, self._first_holder, self._shared
-        )  # fmt: skip
+        holders, generation, first = self._holders, self._generation, self._first_holder
         for block_id in ids:
             record.block_ids.append(block_id)
             if block_id == HOLE:
                 record.generations.append(0)
                 continue
             record.generations.append(generation[block_id])
-            holders[block_id] += 1
             was = first[block_id]
-            if was == NOBODY:
+            if was == NOBODY:  # fresh content: its count is stale
+                holders[block_id] = 1
                 first[block_id] = owner
-            elif was != owner:
-                shared[block_id] = 1
+                continue
+            holders[block_id] += 1
+            if was != owner:
+                first[block_id] = SHARED
 
     def _let_go(
         self, record: SessionRecord, first: int, answer: bool = True
@@ -475,6 +476,8 @@ class SessionBlocks:
         """The record stops holding its blocks from index ``first`` on; returns (``answer``) the
         blocks no record holds any more and no other session has held, and how many are kept
         for others."""
+        if record.held - first <= self.few:  # mostly the old record's last block or two
+            return self._let_go_few(record, first, answer)
         released: list[int] = []
         kept = 0
         if first < record.held:
@@ -487,9 +490,29 @@ class SessionBlocks:
                 if not answer:
                     record.held = min(record.held, first)
                     return released, kept
-                dead = (counts == 0) & (self._v.shared[held] == 0)  # held by no one, ever
+                dead = (counts == 0) & (self._v.first_holder[held] != SHARED)  # no one, ever
                 released = held[dead].tolist()
                 kept = int(held.size) - len(released)
+        record.held = min(record.held, first)
+        return released, kept
+
+    def _let_go_few(self, record: SessionRecord, first: int, answer: bool) -> tuple[list[int], int]:
+        """``_let_go`` block by block."""
+        released: list[int] = []
+        kept = 0
+        holders, generation, first_holder = self._holders, self._generation, self._first_holder
+        block_ids, generations = record.block_ids, record.generations
+        for index in range(first, record.held):
+            block_id = block_ids[index]
+            if block_id == HOLE or generation[block_id] != generations[index]:
+                continue  # no block there, or reused since: the record holds nothing there
+            holders[block_id] -= 1
+            if not answer:
+                continue
+            if holders[block_id] or first_holder[block_id] == SHARED:
+                kept += 1
+            else:
+                released.append(block_id)
         record.held = min(record.held, first)
         return released, kept
 
@@ -504,7 +527,8 @@ class SessionBlocks:
             for record in table.latest.values():
                 ids, live = table._live(record, 0, record.held)
                 np.add.at(counts, ids[live], 1)
-        holders = self._v.holders
+        # a block no record held since it was reused has no first holder and a stale count
+        holders = np.where(self._v.first_holder == NOBODY, 0, self._v.holders)
         problems = [
             f"block {b}: {holders[b]} holders counted, {counts[b]} records"
             for b in np.flatnonzero(counts != holders).tolist()
