@@ -16,7 +16,8 @@ where the plugin's cost is set against the smallest part of a step.
 
     python -m benchmarks.engine_scale
         [--cells 20000:16384:30,200000:16384:300,200000:131072:40,400000:131072:40]
-        [--hybrid] [--driver scheduler|manager] [--rounds 12] [--memory] [--profile]
+        [--hybrid] [--driver scheduler|manager] [--rounds 12] [--memory] [--control]
+        [--profile]
 
 A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
 """
@@ -323,14 +324,19 @@ def build(cell: Cell, driver: str, plugin: bool) -> Side:
     return Side("plugin" if plugin else "vanilla", engine, state)
 
 
-def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dict[str, Any]:
+def _hasher() -> Callable[..., Any]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
-    sides = [build(cell, driver, plugin=False), build(cell, driver, plugin=True)]
-    state = sides[1].state
+    return get_request_block_hasher(BLOCK, sha256)
+
+
+def _alternate(
+    sides: list[Side], cell: Cell, rounds: int, driver: str, profile: bool = False
+) -> dict[str, list[float]]:
+    """Each side's seconds per request, round by round, the sides' order alternating."""
+    hasher = _hasher()
     traffic = {side.name: Traffic(cell) for side in sides}
     per_round: dict[str, list[float]] = {side.name: [] for side in sides}
     slots = in_flight(cell)
@@ -354,22 +360,37 @@ def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dic
                     )
                 per_round[side.name].append(seconds / max(1, side.requests - served))
                 gc.collect()
+            first, second = (per_round[side.name][-1] * 1e3 for side in sides)
             print(
-                f"  round {round_ + 1}/{rounds}: vanilla {per_round['vanilla'][-1] * 1e3:.2f} ms, "
-                f"plugin {per_round['plugin'][-1] * 1e3:.2f} ms per request",
+                f"  round {round_ + 1}/{rounds}: {sides[0].name} {first:.2f} ms, "
+                f"{sides[1].name} {second:.2f} ms per request",
                 flush=True,
             )
     finally:
         gc.enable()
+    return per_round
+
+
+def _steady_ratio(first: list[float], second: list[float]) -> tuple[float, list[float]]:
+    """The median of the steady rounds' ratios (the first rounds start sessions), and all."""
+    ratios = [b / a for a, b in zip(first, second, strict=True)]
+    steady = ratios[2:] if len(ratios) > 3 else ratios
+    return statistics.median(steady), ratios
+
+
+def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dict[str, Any]:
+    sides = [build(cell, driver, plugin=False), build(cell, driver, plugin=True)]
+    state = sides[1].state
+    per_round = _alternate(sides, cell, rounds, driver, profile)
     steady = slice(2, None) if rounds > 3 else slice(None)  # the first rounds start sessions
     vanilla, plugin = (statistics.median(per_round[s.name][steady]) for s in sides)
-    ratios = [p / v for v, p in zip(per_round["vanilla"], per_round["plugin"], strict=True)]
+    ratio, ratios = _steady_ratio(per_round["vanilla"], per_round["plugin"])
     return {
         "cell": cell.name, "pool_blocks": cell.pool, "prompt_tokens": cell.prompt,
         "sessions": cell.sessions, "hybrid": cell.hybrid, "rounds": rounds, "driver": driver,
-        "in_flight": slots if driver == "scheduler" else 1,
+        "in_flight": in_flight(cell) if driver == "scheduler" else 1,
         "vanilla_ms": vanilla * 1e3, "plugin_ms": plugin * 1e3,
-        "ratio": statistics.median(ratios[steady]), "round_ratios": ratios,
+        "ratio": ratio, "round_ratios": ratios,
         "hit_tokens": {s.name: s.hit for s in sides},
         "steps_per_request": {s.name: s.steps / max(1, s.requests) for s in sides},
         "blocks_predicted": state.stats().blocks_predicted,
@@ -378,14 +399,21 @@ def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dic
     }  # fmt: skip
 
 
+def control_ratio(cell: Cell, rounds: int, driver: str) -> dict[str, Any]:
+    """vLLM against itself, as ``run_cell`` runs the two sides (built one after the other,
+    rounds alternating): how far the ratio strays with no plugin at all, on this machine now."""
+    first = build(cell, driver, plugin=False)
+    second = build(cell, driver, plugin=False)
+    second.name = "control"
+    per_round = _alternate([first, second], cell, rounds, driver)
+    ratio, ratios = _steady_ratio(per_round["vanilla"], per_round["control"])
+    return {"ratio": ratio, "round_ratios": ratios}
+
+
 def plugin_memory(cell: Cell, rounds: int, driver: str) -> float:
     """MB the plugin's own code holds after ``rounds`` of the traffic (tracemalloc, counting
     only allocations made in ``vllm_affinity``)."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
+    hasher = _hasher()
     tracemalloc.start()
     side, traffic = build(cell, driver, plugin=True), Traffic(cell)
     for _ in range(rounds):
@@ -422,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument(
+        "--control", action="store_true",
+        help="also run vanilla against itself per cell: the ratio's spread with no plugin",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", action="store_true",
         help="print where the plugin side's time goes (cProfile, 25 costliest functions)",
     )  # fmt: skip
@@ -441,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if args.memory:
             row["plugin_mb"] = plugin_memory(cell, args.rounds, args.driver)
+        if args.control:
+            print(f"{cell.name}, vanilla against itself:", flush=True)
+            row["control"] = control_ratio(cell, args.rounds, args.driver)
         rows.append(row)
     command = " ".join(
         ["python -m benchmarks.engine_scale", *(argv if argv is not None else sys.argv[1:])]
@@ -452,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         f"chunks of {CHUNK}, {DECODE} tokens decoded per turn; vanilla: vLLM as installed)",
         "",
         "| cell | vanilla ms / request | plugin ms / request | ratio | the plugin's own ms / "
-        "request | prompt tokens hit (vanilla / plugin) | plugin MB |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        "request | prompt tokens hit (vanilla / plugin) | plugin MB |"
+        + (" vanilla against itself |" if args.control else ""),
+        "|---|---:|---:|---:|---:|---|---:|" + ("---:|" if args.control else ""),
     ]
     for row in rows:
         mb = f"{row['plugin_mb']:.1f}" if "plugin_mb" in row else "n/a"
@@ -462,9 +498,14 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['cell']} | {row['vanilla_ms']:.2f} | {row['plugin_ms']:.2f} | "
             f"x{row['ratio']:.2f} | {row['plugin_own_ms']:.2f} | "
             f"{hits['vanilla'] / 1e6:.2f}M / {hits['plugin'] / 1e6:.2f}M "
-            f"| {mb} |"
+            f"| {mb} |" + (f" x{row['control']['ratio']:.2f} |" if "control" in row else "")
         )
     lines += ["", "The ratio is the median of the steady rounds' ratios."]
+    if args.control:
+        lines[-1] += (
+            " Vanilla against itself: the same measurement with vLLM as installed on both sides "
+            "(no plugin anywhere), the spread of the ratio on this machine in this run."
+        )
     write_outputs(args.out, "engine_scale", {"config": vars(args), "rows": rows},
                   "\n".join(lines) + "\n")  # fmt: skip
     return 0

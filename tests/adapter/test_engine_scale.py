@@ -38,3 +38,18 @@ def test_a_small_cell_reports_both_sides(driver: str, tmp_path: Path) -> None:
     assert row["plugin_own_ms"] > 0  # the plugin timed its own work on the scheduler's path
     text = (tmp_path / "engine_scale.md").read_text()
     assert text.startswith(f"Command: `python -m benchmarks.engine_scale {' '.join(argv)}`")
+
+
+def test_control_runs_vanilla_against_itself(tmp_path: Path) -> None:
+    """``--control`` adds, per cell, the ratio of vLLM against itself (both sides vanilla): the
+    spread a reader weighs the plugin's ratio against."""
+    argv = ["--cells", "1500:2048:6", "--rounds", "4", "--control", "--out", str(tmp_path)]
+    assert engine_scale.main(argv) == 0
+    (row,) = json.loads((tmp_path / "engine_scale.json").read_text())["rows"]
+    control = row["control"]
+    assert len(control["round_ratios"]) == 4 and control["ratio"] > 0
+    steady = sorted(control["round_ratios"][2:])
+    assert control["ratio"] == (steady[0] + steady[1]) / 2  # the steady rounds' median
+    header, rule, line = (tmp_path / "engine_scale.md").read_text().splitlines()[4:7]
+    assert header.endswith("vanilla against itself |") and rule.endswith("---:|")
+    assert line.endswith(f"x{control['ratio']:.2f} |")
