@@ -103,16 +103,18 @@ class BlockStates:
         return self.holders[block_id]
 
     def unbind(self, block_ids: Sequence[int]) -> None:
-        """These blocks are being reused for new content: no record holds them any more (a
-        block no record held changes nothing that is read: its count and first holder are
-        written afresh by the next hold)."""
+        """These blocks are being reused for new content: no record holds them any more (their
+        counts are left stale: the next hold writes them afresh)."""
         if len(block_ids) <= FEW_BLOCKS:
             self._unbind_few(block_ids)
             return
         ids = self.as_ids(block_ids)  # vLLM's ids: never negative, never repeated in one call
         views = self.views
-        views.generation[ids] += 1
-        views.first_holder[ids] = NOBODY
+        # a block no record held since it was last handed out (FREE's, mostly) changes nothing
+        touched = ids[views.first_holder[ids] != NOBODY]
+        if touched.size:
+            views.generation[touched] += 1
+            views.first_holder[touched] = NOBODY
 
     def _unbind_few(self, block_ids: Sequence[int]) -> None:
         """``unbind`` block by block."""
