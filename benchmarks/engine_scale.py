@@ -8,7 +8,8 @@ Vanilla and the plugin run in one process, rounds alternating. Vanilla is vLLM a
 its scheduler is built, and its rounds run, with every one of the plugin's wrappers set aside.
 Reported per cell: the scheduler's time per request (``add_request``, ``schedule`` and
 ``update_from_output``: what the engine core's step spends outside the model), the ratio, the
-prompt tokens each side hit, and (``--memory``) what the plugin's own structures hold.
+prompt tokens each side hit, (``--memory``) what the plugin's own structures hold, and
+(``--control``) the ratio of vLLM against itself, run the same way: the harness's own spread.
 
 ``--driver manager`` times the ``KVCacheManager``'s calls alone (prefix lookup, allocations,
 frees, one request at a time), without the scheduler's own work per step: the stricter ratio,
@@ -371,19 +372,22 @@ def _alternate(
     return per_round
 
 
+def _steady_median(values: list[float]) -> float:
+    """The median of the steady rounds (the first two start sessions; all of a short run)."""
+    return statistics.median(values[2:] if len(values) > 3 else values)
+
+
 def _steady_ratio(first: list[float], second: list[float]) -> tuple[float, list[float]]:
-    """The median of the steady rounds' ratios (the first rounds start sessions), and all."""
+    """The median of the steady rounds' ratios, and every round's."""
     ratios = [b / a for a, b in zip(first, second, strict=True)]
-    steady = ratios[2:] if len(ratios) > 3 else ratios
-    return statistics.median(steady), ratios
+    return _steady_median(ratios), ratios
 
 
 def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dict[str, Any]:
     sides = [build(cell, driver, plugin=False), build(cell, driver, plugin=True)]
     state = sides[1].state
     per_round = _alternate(sides, cell, rounds, driver, profile)
-    steady = slice(2, None) if rounds > 3 else slice(None)  # the first rounds start sessions
-    vanilla, plugin = (statistics.median(per_round[s.name][steady]) for s in sides)
+    vanilla, plugin = (_steady_median(per_round[s.name]) for s in sides)
     ratio, ratios = _steady_ratio(per_round["vanilla"], per_round["plugin"])
     return {
         "cell": cell.name, "pool_blocks": cell.pool, "prompt_tokens": cell.prompt,
