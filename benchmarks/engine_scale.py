@@ -4,8 +4,10 @@ by agent traffic scaled up: requests of many sessions in flight at once, prefill
 decoded token by token; sessions grow turn by turn, compact (the window back to the system
 prompt and a summary), and end (an idle signal) while new ones start.
 
-Vanilla and the plugin run in one process, rounds alternating. Vanilla is vLLM as installed:
-its scheduler is built, and its rounds run, with every one of the plugin's wrappers set aside.
+Vanilla and the plugin run in one process, a scheduler step of each in turn (``--interleave
+round``: a round of each in turn), so a change in the machine's speed falls on both sides alike.
+Vanilla is vLLM as installed: its scheduler is built, and its steps run, with every one of the
+plugin's wrappers set aside.
 Reported per cell: the scheduler's time per request (``add_request``, ``schedule`` and
 ``update_from_output``: what the engine core's step spends outside the model), the ratio, the
 prompt tokens each side hit, (``--memory``) what the plugin's own structures hold, and
@@ -17,8 +19,8 @@ where the plugin's cost is set against the smallest part of a step.
 
     python -m benchmarks.engine_scale
         [--cells 20000:16384:30,200000:16384:300,200000:131072:40,400000:131072:40]
-        [--hybrid] [--driver scheduler|manager] [--rounds 12] [--memory] [--control]
-        [--profile]
+        [--hybrid] [--driver scheduler|manager] [--rounds 12] [--interleave step|round]
+        [--memory] [--control] [--profile]
 
 A cell is ``POOL_BLOCKS:PROMPT_TOKENS:SESSIONS``.
 """
@@ -214,12 +216,22 @@ class Side:
     def scheduler_round(self, traffic: Traffic, hasher: Callable[..., Any], slots: int) -> float:
         """Every slot's next request through the scheduler, ``slots`` of them in flight; the
         seconds ``add_request``, ``schedule`` and ``update_from_output`` took."""
+        with self.vllm_as_installed():
+            return sum(self.scheduler_steps(traffic, hasher, slots))
+
+    def scheduler_steps(
+        self, traffic: Traffic, hasher: Callable[..., Any], slots: int
+    ) -> Iterator[float]:
+        """``scheduler_round`` a step at a time: per step, the seconds that step's
+        ``add_request`` calls, ``schedule`` and ``update_from_output`` took (the caller sets
+        vLLM as installed around each step for vanilla: ``vllm_as_installed``)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         engine, clock = self.engine, time.perf_counter
-        sessions, started, elapsed = traffic.cell.sessions, 0, 0.0
+        sessions, started = traffic.cell.sessions, 0
         in_flight: dict[str, tuple[Any, str, bool]] = {}
         while started < sessions or in_flight:
+            elapsed = 0.0
             while started < sessions and len(in_flight) < slots:
                 window, session, last = traffic.window(started)
                 request = self.request(hasher, session, window)
@@ -254,7 +266,7 @@ class Side:
                     self.requests += 1
                     if last and self.state is not None:
                         self.state.idle_session(session)
-        return elapsed
+            yield elapsed
 
     def manager_round(self, traffic: Traffic, hasher: Callable[..., Any], slots: int) -> float:
         """Every slot's next request on the ``KVCacheManager`` alone, one at a time, as the
@@ -334,33 +346,43 @@ def _hasher() -> Callable[..., Any]:
 
 
 def _alternate(
-    sides: list[Side], cell: Cell, rounds: int, driver: str, profile: bool = False
+    sides: list[Side],
+    cell: Cell,
+    rounds: int,
+    driver: str,
+    profile: bool = False,
+    interleave: str = "step",
 ) -> dict[str, list[float]]:
-    """Each side's seconds per request, round by round, the sides' order alternating."""
+    """Each side's seconds per request, round by round: the two sides' steps interleaved
+    (``step``: one side's scheduler step, then the other's, the first side changing every step,
+    so a change in the machine's speed falls on both alike), or (``round``, and the manager
+    driver) one side's whole round, then the other's, the first side changing every round."""
     hasher = _hasher()
     traffic = {side.name: Traffic(cell) for side in sides}
     per_round: dict[str, list[float]] = {side.name: [] for side in sides}
     slots = in_flight(cell)
+    profiler = cProfile.Profile() if profile else None
     gc.disable()
     try:
         for round_ in range(rounds):
-            for side in sides if round_ % 2 == 0 else reversed(sides):
-                profiler = cProfile.Profile() if profile and side.state is not None else None
-                if profiler is not None:
-                    profiler.enable()
-                served = side.requests
-                with side.vllm_as_installed():
-                    if driver == "scheduler":
-                        seconds = side.scheduler_round(traffic[side.name], hasher, slots)
-                    else:
-                        seconds = side.manager_round(traffic[side.name], hasher, slots)
-                if profiler is not None:
-                    profiler.disable()
-                    pstats.Stats(profiler).sort_stats("tottime").print_stats(
-                        "vllm_affinity|queue|block_pool|scheduler", 30
-                    )
-                per_round[side.name].append(seconds / max(1, side.requests - served))
-                gc.collect()
+            served = {side.name: side.requests for side in sides}
+            if driver == "scheduler" and interleave == "step":
+                seconds = _lockstep_round(sides, traffic, hasher, slots, round_, profiler)
+            else:
+                seconds = {}
+                for side in sides if round_ % 2 == 0 else reversed(sides):
+                    with _profiled(profiler if side.state is not None else None):
+                        if driver == "scheduler":
+                            took = side.scheduler_round(traffic[side.name], hasher, slots)
+                        else:
+                            with side.vllm_as_installed():
+                                took = side.manager_round(traffic[side.name], hasher, slots)
+                    seconds[side.name] = took
+                    gc.collect()
+            for side in sides:
+                done = max(1, side.requests - served[side.name])
+                per_round[side.name].append(seconds[side.name] / done)
+            gc.collect()
             first, second = (per_round[side.name][-1] * 1e3 for side in sides)
             print(
                 f"  round {round_ + 1}/{rounds}: {sides[0].name} {first:.2f} ms, "
@@ -369,7 +391,50 @@ def _alternate(
             )
     finally:
         gc.enable()
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(
+            "vllm_affinity|queue|block_pool|scheduler", 30
+        )
     return per_round
+
+
+def _lockstep_round(
+    sides: list[Side],
+    traffic: dict[str, Traffic],
+    hasher: Callable[..., Any],
+    slots: int,
+    round_: int,
+    profiler: cProfile.Profile | None,
+) -> dict[str, float]:
+    """One round of both sides, a scheduler step of each in turn (a side that finished its
+    round waits for the other); the seconds each side's steps took."""
+    steps = {side.name: side.scheduler_steps(traffic[side.name], hasher, slots) for side in sides}
+    seconds = dict.fromkeys(steps, 0.0)
+    running = list(sides)
+    turn = round_
+    while running:
+        order = running if turn % 2 == 0 else running[::-1]
+        turn += 1
+        for side in order:
+            with side.vllm_as_installed(), _profiled(None if side.state is None else profiler):
+                took = next(steps[side.name], None)
+            if took is None:
+                running.remove(side)
+            else:
+                seconds[side.name] += took
+    return seconds
+
+
+@contextmanager
+def _profiled(profiler: cProfile.Profile | None) -> Iterator[None]:
+    if profiler is None:
+        yield
+        return
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
 
 
 def _steady_median(values: list[float]) -> float:
@@ -383,15 +448,18 @@ def _steady_ratio(first: list[float], second: list[float]) -> tuple[float, list[
     return _steady_median(ratios), ratios
 
 
-def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dict[str, Any]:
+def run_cell(
+    cell: Cell, rounds: int, driver: str, profile: bool = False, interleave: str = "step"
+) -> dict[str, Any]:
     sides = [build(cell, driver, plugin=False), build(cell, driver, plugin=True)]
     state = sides[1].state
-    per_round = _alternate(sides, cell, rounds, driver, profile)
+    per_round = _alternate(sides, cell, rounds, driver, profile, interleave)
     vanilla, plugin = (_steady_median(per_round[s.name]) for s in sides)
     ratio, ratios = _steady_ratio(per_round["vanilla"], per_round["plugin"])
     return {
         "cell": cell.name, "pool_blocks": cell.pool, "prompt_tokens": cell.prompt,
         "sessions": cell.sessions, "hybrid": cell.hybrid, "rounds": rounds, "driver": driver,
+        "interleave": interleave if driver == "scheduler" else "round",
         "in_flight": in_flight(cell) if driver == "scheduler" else 1,
         "vanilla_ms": vanilla * 1e3, "plugin_ms": plugin * 1e3,
         "ratio": ratio, "round_ratios": ratios,
@@ -403,13 +471,13 @@ def run_cell(cell: Cell, rounds: int, driver: str, profile: bool = False) -> dic
     }  # fmt: skip
 
 
-def control_ratio(cell: Cell, rounds: int, driver: str) -> dict[str, Any]:
+def control_ratio(cell: Cell, rounds: int, driver: str, interleave: str = "step") -> dict[str, Any]:
     """vLLM against itself, as ``run_cell`` runs the two sides (built one after the other,
     rounds alternating): how far the ratio strays with no plugin at all, on this machine now."""
     first = build(cell, driver, plugin=False)
     second = build(cell, driver, plugin=False)
     second.name = "control"
-    per_round = _alternate([first, second], cell, rounds, driver)
+    per_round = _alternate([first, second], cell, rounds, driver, interleave=interleave)
     ratio, ratios = _steady_ratio(per_round["vanilla"], per_round["control"])
     return {"ratio": ratio, "round_ratios": ratios}
 
@@ -452,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hybrid", action="store_true", help="also every cell on a hybrid spec")
     parser.add_argument("--driver", choices=("scheduler", "manager"), default="scheduler")
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument(
+        "--interleave", choices=("step", "round"), default="step",
+        help="the scheduler driver's sides take turns a step at a time (default) or a round at "
+        "a time",
+    )  # fmt: skip
     parser.add_argument("--memory", action="store_true")
     parser.add_argument(
         "--control", action="store_true",
@@ -473,13 +546,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for cell in cells:
         print(f"{cell.name}:", flush=True)
-        row = run_cell(cell, args.rounds, args.driver, args.profile)
+        row = run_cell(cell, args.rounds, args.driver, args.profile, args.interleave)
         gc.collect()
         if args.memory:
             row["plugin_mb"] = plugin_memory(cell, args.rounds, args.driver)
         if args.control:
             print(f"{cell.name}, vanilla against itself:", flush=True)
-            row["control"] = control_ratio(cell, args.rounds, args.driver)
+            row["control"] = control_ratio(cell, args.rounds, args.driver, args.interleave)
         rows.append(row)
     command = " ".join(
         ["python -m benchmarks.engine_scale", *(argv if argv is not None else sys.argv[1:])]

@@ -564,7 +564,7 @@ def one_by_one_pick(state: Any, take: int) -> list[int]:
         due = state.returns.due(session)
         for table in state.tables:
             for batch in table.own_tail_chunks(session, chunk):
-                run, in_use = state.queue.normal_until_in_use(batch, state.pool.blocks)
+                run, _, in_use = state.queue.normal_until_in_use(batch, state.pool.blocks)
                 candidates += [(due, block_id) for block_id in run]
                 if in_use:
                     break

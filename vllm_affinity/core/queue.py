@@ -390,10 +390,11 @@ class SegmentedFreeBlockQueue:
         (``None``: from the least recently used): a picker reads its victims a run at a time."""
         node, tail = (after or self._normal_head).next_free_block, self._normal_tail
         out: list[int] = []
+        append = out.append
         for _ in range(n):
             if node is tail:
                 break
-            out.append(node.block_id)
+            append(node.block_id)
             node = node.next_free_block
         return out
 
@@ -405,18 +406,31 @@ class SegmentedFreeBlockQueue:
             node = node.next_free_block
 
     def normal_until_in_use(
-        self, block_ids: Iterable[int], blocks: Sequence[Block]
-    ) -> tuple[list[int], bool]:
-        """The ids of the queued NORMAL ones of these blocks (``blocks``: every block by id),
-        in order, up to the first not queued at all (in use); and whether there was one."""
+        self,
+        block_ids: Sequence[int],
+        blocks: Sequence[Block],
+        start: int = 0,
+        most: int | None = None,
+    ) -> tuple[list[int], int, bool]:
+        """The ids of the queued NORMAL ones of ``block_ids[start:]`` (``blocks``: every block
+        by id), in order, up to the first not queued at all (in use) or the ``most``-th found;
+        where the reading stopped (the index after the last one read); and whether it stopped
+        at a block in use. A picker needs no more than its pop takes: it reads the rest, if
+        ever, from where this stopped."""
         mark, out = self._mark, list[int]()
-        for block_id in block_ids:
+        end = len(block_ids)
+        if most is None:
+            most = end
+        for at in range(start, end):
+            block_id = block_ids[at]
             block = blocks[block_id]
             if block.prev_free_block is None:
-                return out, True
+                return out, at, True
             if not mark[block_id] and block.block_hash is not None:
                 out.append(block_id)
-        return out, False
+                if len(out) == most:
+                    return out, at + 1, False
+        return out, end, False
 
     def is_normal(self, block: Block) -> bool:
         """Whether the block is queued in NORMAL (``segment_of`` without the enum, for loops)."""

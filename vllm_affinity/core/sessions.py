@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from .block_states import FEW_BLOCKS, GONE, NOBODY, SHARED, BlockStates, BlockViews
+from .block_states import FEW_BLOCKS, GONE, NOBODY, SHARED, BlockStates, BlockViews, id_array
 from .compaction import owner_of
 
 #: ``running``: an idle selection of a session whose request runs (nothing selected).
@@ -265,7 +265,7 @@ class SessionBlocks:
         """By session (owner), the positions in ``block_ids`` of the blocks it alone holds
         (``sole_holder``), ascending: a picker's victims are mostly held by none, or by a few
         sessions each holding a run of them."""
-        ids = np.asarray(block_ids, np.int32)
+        ids = id_array(block_ids)
         size = len(self._holders)
         beyond = None
         if ids.size and int(ids.max()) >= size:  # beyond the arrays: held by nobody
