@@ -38,8 +38,9 @@ def recorded(state: Any, session: str) -> list[int]:
 
 
 def test_each_step_binds_what_it_hands_the_workers() -> None:
-    """A prompt prefilled in chunks, then decoded past a block's end: after every step the
-    session's record is the request's block list, as the scheduler sees it."""
+    """A prompt prefilled in chunks, then decoded past a block's end: after every prefill step
+    the session's record is the request's block list, as the scheduler sees it; while it
+    decodes, the record waits (its prefix), and its free binds the rest."""
     engine = scheduler(full_attention(64), max_num_seqs=4, max_num_batched_tokens=2 * BLOCK)
     state = state_of(engine.kv_cache_manager)
     request = make_request(tokens(0, 5), session="A", sampling_params=decoding(BLOCK + 4))
@@ -50,7 +51,10 @@ def test_each_step_binds_what_it_hands_the_workers() -> None:
         if request.request_id in finished:
             break
         ids = list(engine.kv_cache_manager.get_block_ids(request.request_id)[0])
-        assert recorded(state, "A") == ids
+        if len(lengths) < 3:
+            assert recorded(state, "A") == ids
+        else:  # decoding: the blocks it got after its prompt are bound when it frees them
+            assert recorded(state, "A") == ids[:5]
         assert state.sessions.latest["A"].request_id == request.request_id
         lengths.append(len(ids))
     assert lengths[:3] == [2, 4, 5]  # three chunks
@@ -77,10 +81,37 @@ def test_a_preempted_request_is_bound_afresh_when_it_resumes() -> None:
         for request, session in ((first, "A"), (second, "B")):
             running = request.request_id in engine.requests and request in engine.running
             if running and request.request_id not in finished:
-                ids = engine.kv_cache_manager.get_block_ids(request.request_id)[0]
-                assert recorded(state, session) == [HOLE if i == 0 else i for i in ids]
+                ids = [HOLE if i == 0 else i for i in engine.kv_cache_manager.get_block_ids(
+                    request.request_id)[0]]  # fmt: skip
+                record = recorded(state, session)
+                assert record == ids[: len(record)]  # all of it, but what it decoded since
+                assert len(record) >= -(-request.num_prompt_tokens // BLOCK)
         if not engine.requests:
             break
     assert preempted, "the pool was meant to preempt a request"
     assert not engine.requests
+    assert not state.check(idle=True)
+
+
+def test_a_release_while_it_decodes_covers_what_it_decoded() -> None:
+    """The decoded blocks wait for the request's free to be bound, but a release of its
+    session while it decodes binds them first: they are released with the rest (pending, then
+    RELEASED when freed)."""
+    engine = scheduler(full_attention(64), max_num_seqs=4, max_num_batched_tokens=8 * BLOCK)
+    state = state_of(engine.kv_cache_manager)
+    request = make_request(tokens(0, 4), session="A", sampling_params=decoding(2 * BLOCK + 4))
+    engine.add_request(request)
+    for _ in range(BLOCK + 8):  # the prompt, then past its first decoded block's end
+        step(engine)
+    held = len(engine.kv_cache_manager.get_block_ids(request.request_id)[0])
+    assert held == 6 and len(recorded(state, "A")) == 4  # two decoded blocks not bound yet
+    result = state.release("A", 1)
+    assert result.status == "ok" and result.pending == held - 1  # all but the first block
+    assert len(recorded(state, "A")) == held
+    while engine.requests:
+        step(engine)
+    assert state.queue.num_pending == 0
+    # every pending block (the partial one filled since); the one it got after the release
+    # is its partial last: no hash, so FREE
+    assert state.queue.segment_sizes()["released"] == result.pending
     assert not state.check(idle=True)

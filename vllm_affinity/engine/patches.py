@@ -96,6 +96,7 @@ def _kv_cache_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) 
     state = affinity_of(instance.block_pool)
     if state is None:
         return
+    state.request_blocks = instance.coordinator.get_blocks  # a decoding request's, on demand
     groups = describe_groups(instance.coordinator)
     if groups:  # none: a model whose every group opts out of prefix caching (no KV to track)
         state.attach_groups(groups)
@@ -199,6 +200,7 @@ def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
             state.bind_scheduled(
                 session, req_id, block_ids, request.num_prompt_tokens,
                 appended=req_id not in resumed,
+                decoding=request.num_computed_tokens > request.num_prompt_tokens,  # after it
             )  # fmt: skip
 
 

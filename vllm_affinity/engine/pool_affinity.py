@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,6 +181,12 @@ class PoolAffinity:
         #: Most blocks the PROTECTED segment may hold (waiting parents' blocks); 0: off.
         self.protect_cap = int(settings.protect_share * pool.num_gpu_blocks)
         self._bound: dict[str, tuple[int, ...]] = {}
+        #: Running requests whose growth is bound at their free (``bind_scheduled``), or when
+        #: a release of their session needs it (``_catch_up``).
+        self._decoding: set[str] = set()
+        #: A running request's blocks by request id (the ``KVCacheManager``'s coordinator's
+        #: ``get_blocks``; set when the manager is built).
+        self.request_blocks: Callable[[str], Sequence[list[Any]]] | None = None
 
     def attach_groups(self, groups: tuple[KVGroup, ...]) -> None:
         """The model's KV-cache groups that prefix caching covers (before any request)."""
@@ -189,6 +195,7 @@ class PoolAffinity:
         self.groups = groups
         #: Per group, its list's index in vLLM's and whether it is full attention (no hole).
         self._group_lists = [(g.index, g.kind in DENSE_KINDS) for g in groups]
+        self._all_dense = all(dense for _, dense in self._group_lists)
         #: Per block of the pool, who holds its content: one for every group's table.
         self.block_states = BlockStates(self.pool.num_gpu_blocks)
         self.tables = tuple(
@@ -218,15 +225,23 @@ class PoolAffinity:
         block_ids: Sequence[Sequence[int]],
         prompt: int,
         appended: bool,
+        decoding: bool = False,
     ) -> None:
         """Record what the scheduler's step output hands the workers (one list of block ids
         per vLLM group): a new or resumed request's whole block lists, or (``appended``) the
-        blocks a running request got in this step, after those already bound. Bound once per
-        step that gave the request blocks, from the ids vLLM computed for its output, so a
-        decode step that got no block costs nothing."""
+        blocks a running request got in this step, after those already bound: from the ids vLLM
+        computed for its output, once per prefill step. On a model whose every group is full
+        attention, a request ``decoding`` (its prompt computed) leaves its growth to its free
+        (``bind_request``: its last few blocks read once, not a bind per step that got one);
+        a sliding window or a Mamba group drops blocks as it decodes, which the record keeps,
+        so it binds every step."""
         already = self._bound.get(request_id) if appended else None
-        if appended and already is None:
-            return  # never bound whole (bound when it frees its blocks)
+        if appended:
+            if already is None or request_id in self._decoding:
+                return  # never bound whole, or decoding: bound when it frees its blocks
+            if decoding and self._all_dense:
+                self._decoding.add(request_id)
+                return
         grown = [self._id_array(block_ids[index], dense) for index, dense in self._group_lists]
         self._bind(session, request_id, grown, already, prompt, whole=None)
 
@@ -290,9 +305,22 @@ class PoolAffinity:
             ids[ids == null] = HOLE  # a sliding window's or a Mamba group's
         return ids
 
+    def _catch_up(self, session: str) -> None:
+        """Bind the growth of the session's decoding request (``bind_scheduled``) before a
+        release reads its record: a release while it runs covers what it generated so far."""
+        if not self._decoding or self.request_blocks is None:
+            return
+        record = self.sessions.latest.get(session)
+        request_id = record.request_id if record is not None else None
+        if request_id is not None and request_id in self._decoding:
+            assert record is not None
+            blocks = self.request_blocks(request_id)
+            self.bind_request(session, request_id, blocks, record.num_prompt_tokens)
+
     def request_done(self, session: str, request_id: str) -> None:
         """The request freed its blocks (finished, aborted or preempted)."""
         self._bound.pop(request_id, None)
+        self._decoding.discard(request_id)
         for table in self.tables:
             table.request_finished(session, request_id)
 
@@ -310,6 +338,7 @@ class PoolAffinity:
     ) -> EngineRelease:
         """Release the session's latest blocks of each group from that group's block index in
         ``first_blocks`` on (and the blocks ``also`` selected, in the same release)."""
+        self._catch_up(session)
         selections = [
             table.select_release(session, first)
             for table, first in zip(self.tables, first_blocks, strict=True)
@@ -578,6 +607,7 @@ class PoolAffinity:
 
     def _first_stale(self, session: str, chain: list[Any]) -> list[int]:
         """Per group, the index of the session's first block ``chain`` cannot hit."""
+        self._catch_up(session)
         return [
             first_stale_block(self._entries(group, table, session), chain)
             for group, table in zip(self.groups, self.tables, strict=True)
