@@ -442,3 +442,18 @@ def test_the_tables_of_a_models_groups_share_one_block_state() -> None:
     assert full.check([window]) == []
     with pytest.raises(ValueError, match="shares no block state"):
         full.check([SessionBlocks()])
+
+
+def test_a_hole_reads_the_spare_slot_as_no_block() -> None:
+    """The per-block arrays keep one slot past every block id: a record's ``HOLE`` (-1) reads
+    it, generation 0 and no holder, however the arrays grow and the blocks are reused."""
+    table = SessionBlocks(dense=False, capacity=4)
+    for round_ in range(3):
+        top = 4 * (round_ + 1) + round_  # past the arrays at first, then growing them
+        table.record("s", [HOLE, 1, HOLE, top], 10, f"r{round_}")
+        table.unbind([1, top])  # reused: new generations for the blocks, none for the hole
+        assert len(table.blocks.holders) > top + 1
+        assert table.blocks.generation[-1] == 0 and table.blocks.holders[-1] == 0
+        assert table._generations_of(table._as_ids([HOLE, top, 1])).tolist() == [0, 1, round_ + 1]
+    table.record("s", [HOLE, 2, HOLE], 10, "r")
+    assert table.check() == [] and table.holders(2) == 1

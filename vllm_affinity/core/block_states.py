@@ -86,11 +86,13 @@ class BlockStates:
         return self._views
 
     def ensure(self, size: int) -> None:
-        """Room for block ids below ``size`` (at least doubling: amortised)."""
+        """Room for block ids below ``size`` (at least doubling: amortised), and one spare slot
+        after them: the arrays' last entry is no block's, so a record's ``HOLE`` (-1) reads
+        it as generation 0 and no holder, and a gather needs no mask for holes."""
         have = len(self.holders)
-        if size <= have:
+        if size < have:
             return
-        extra = max(size - have, have)
+        extra = max(size + 1 - have, have)
         self._views = None  # a view pins its array's size: none while they grow
         self.holders.frombytes(bytes(4 * extra))
         self.generation.frombytes(bytes(4 * extra))
@@ -106,7 +108,7 @@ class BlockStates:
         ids = id_array(block_ids)
         if ids.size:
             top = int(ids.max())
-            if top >= len(self.holders):
+            if top >= len(self.holders) - 1:  # the last slot is the spare
                 self.ensure(top + 1)
         return ids
 

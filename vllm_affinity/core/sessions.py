@@ -367,17 +367,15 @@ class SessionBlocks:
         """A few block ids as they are, the per-block arrays large enough for them."""
         if block_ids:
             top = max(block_ids)
-            if top >= len(self._holders):
+            if top >= len(self._holders) - 1:  # the last slot is the spare (``ensure``)
                 self._ensure(top + 1)
         return block_ids
 
     def _generations_of(self, ids: np.ndarray) -> np.ndarray:
-        """The blocks' generations now (0 at a ``HOLE``)."""
-        generation = self._v.generation
-        if self._dense or not ids.size or ids.min() >= 0:  # no hole
-            now: np.ndarray = generation[ids]
-            return now
-        return np.where(ids != HOLE, generation[np.maximum(ids, 0)], 0).astype(np.uint32)
+        """The blocks' generations now (0 at a ``HOLE``: it reads the arrays' spare last slot,
+        ``BlockStates.ensure``)."""
+        now: np.ndarray = self._v.generation[ids]
+        return now
 
     def _live(self, record: SessionRecord, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """The record's ids in ``[start, end)`` (a copy) and which of them still hold the
@@ -390,9 +388,8 @@ class SessionBlocks:
 
     def _alone(self, ids: np.ndarray) -> np.ndarray:
         """Which blocks one record alone holds and no other session ever did."""
-        safe = np.maximum(ids, 0)
-        holders = self._v.holders[safe]
-        alone: np.ndarray = (holders == 1) & (self._v.first_holder[safe] != SHARED)
+        holders = self._v.holders[ids]  # a hole reads the spare slot: no holder
+        alone: np.ndarray = (holders == 1) & (self._v.first_holder[ids] != SHARED)
         return alone
 
     def _owner(self, session: str) -> int:
@@ -436,7 +433,7 @@ class SessionBlocks:
         else:
             views = self._v
             holes = not self._dense and bool(ids.min() < 0)
-            generations = self._generations_of(ids) if holes else views.generation[ids]
+            generations = views.generation[ids]  # 0 at a hole (``_generations_of``)
             record.block_ids.frombytes(ids.astype(np.int32, copy=False).tobytes())
             record.generations.frombytes(generations.tobytes())
             held = ids[ids != HOLE] if holes else ids
