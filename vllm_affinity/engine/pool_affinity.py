@@ -287,10 +287,15 @@ class PoolAffinity:
                 if whole is None:
                     self._bound.pop(request_id, None)  # bound whole before it frees its blocks
                     return
-                table.record(session, self._ids(whole[group.index]), prompt, request_id)
+                every = self._ids(whole[group.index])
+                if self.queue.num_pending:  # recorded whole again: every block a live user's
+                    self.queue.cancel_pending_many(
+                        every if isinstance(every, list) else every.tolist()
+                    )
+                table.record(session, every, prompt, request_id)
         self._bound[request_id] = tuple(lengths)
 
-    def _ids(self, blocks: Sequence[Any]) -> np.ndarray:
+    def _ids(self, blocks: Sequence[Any]) -> np.ndarray | list[int]:
         """The blocks' ids, ``HOLE`` for the null block."""
         return self._id_array([block.block_id for block in blocks], dense=False)
 
