@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.sampling_params import SamplingParams
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import RequestStatus
 from vllm_parts import BLOCK, make_request, state_of, tokens
 
@@ -26,6 +31,17 @@ def full_attention(num_blocks: int) -> KVCacheConfig:
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+
+
+def sliding_beside_full(num_blocks: int, window: int) -> KVCacheConfig:
+    """gpt-oss's shape: a sliding window of ``window`` tokens (group 0) beside full attention."""
+    kinds = dict(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    specs = [SlidingWindowSpec(sliding_window=window, **kinds), FullAttentionSpec(**kinds)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
     )
 
 
@@ -115,4 +131,56 @@ def test_a_release_while_it_decodes_covers_what_it_decoded() -> None:
     assert len(recorded(state, "A")) == held + 1  # a block after the release: recorded whole
     assert state.queue.num_pending == 0
     assert state.queue.segment_sizes()["released"] == 0
+    assert not state.check(idle=True)
+
+
+def _group_records(state: Any, session: str) -> list[list[int]]:
+    return [
+        np.frombuffer(table.latest[session].block_ids, np.int32).tolist() for table in state.tables
+    ]
+
+
+def test_a_hybrid_request_decoding_inside_its_window_is_bound_at_its_free() -> None:
+    """A sliding window wider than what the request decodes drops none of its decoded blocks
+    before its free: they wait for it, in every group, as on a full-attention model."""
+    engine = scheduler(sliding_beside_full(64, 8 * BLOCK), max_num_batched_tokens=8 * BLOCK)
+    state = state_of(engine.kv_cache_manager)
+    request = make_request(tokens(0, 5), session="A", sampling_params=decoding(2 * BLOCK + 4))
+    engine.add_request(request)
+    grew = False
+    while engine.requests:
+        finished = step(engine)
+        if request.request_id in finished:
+            break
+        tables = engine.kv_cache_manager.get_block_ids(request.request_id)
+        grew |= len(tables[1]) > 5
+        assert [len(ids) for ids in _group_records(state, "A")] == [5, 5]  # the prompt's
+    assert grew, "the request was meant to decode into new blocks"
+    lengths = [len(ids) for ids in _group_records(state, "A")]
+    assert lengths == [8, 8]  # 80 prompt tokens and 36 decoded, bound at the free
+    assert HOLE not in _group_records(state, "A")[0]
+    assert not state.check(idle=True)
+
+
+def test_a_hybrid_request_decoding_past_its_window_keeps_every_block_it_dropped() -> None:
+    """Decoding past the sliding window, vLLM drops the request's decoded blocks as the window
+    passes them: its growth is bound before the first one goes, so its record still names
+    every block the request held at each position (none is a hole), in both groups."""
+    engine = scheduler(sliding_beside_full(64, 4 * BLOCK), max_num_batched_tokens=8 * BLOCK)
+    state = state_of(engine.kv_cache_manager)
+    request = make_request(tokens(0, 5), session="A", sampling_params=decoding(8 * BLOCK))
+    engine.add_request(request)
+    held: list[dict[int, int]] = [{}, {}]  # per group: position -> the block it held there
+    while engine.requests:
+        tables = [list(ids) for ids in engine.kv_cache_manager.get_block_ids(request.request_id)]
+        for group, ids in enumerate(tables):
+            held[group].update((at, block) for at, block in enumerate(ids) if block)
+        if request.request_id in step(engine):
+            break
+    dropped = [at for at in held[0] if at >= 5]
+    assert len(dropped) >= 4, "the window was meant to pass decoded blocks"
+    records = _group_records(state, "A")
+    for group in range(2):
+        assert records[group] == [held[group][at] for at in range(len(records[group]))]
+    assert len(records[1]) == 5 + 8  # 80 prompt tokens and 128 decoded
     assert not state.check(idle=True)

@@ -61,7 +61,10 @@ class BlockStates:
     owner names. The arrays grow in place, so a table may keep a reference to them; a numpy
     view pins its array's size, so none outlives a call but ``views`` (remade as they grow)."""
 
-    def __init__(self, capacity: int = 0) -> None:
+    def __init__(self, capacity: int = 0, fixed: bool = False) -> None:
+        """``fixed``: no block id will reach ``capacity`` (a vLLM pool's: its ids are dense
+        and fixed at start-up), so ids are used without a bound check (``as_ids``)."""
+        self.fixed = fixed
         self.holders = array("i")  # block id → records holding its current content
         self.generation = array("I")  # block id → times reused for new content
         self.first_holder = array("i")  # block id → owner index of its first holder, or a mark
@@ -104,9 +107,10 @@ class BlockStates:
         )
 
     def as_ids(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Block ids as an int32 array, the arrays large enough for them."""
+        """Block ids as an int32 array, the arrays large enough for them (``fixed``: they
+        are already)."""
         ids = id_array(block_ids)
-        if ids.size:
+        if ids.size and not self.fixed:
             top = int(ids.max())
             if top >= len(self.holders) - 1:  # the last slot is the spare
                 self.ensure(top + 1)
@@ -126,11 +130,10 @@ class BlockStates:
             return
         ids = self.as_ids(block_ids)  # vLLM's ids: never negative, never repeated in one call
         views = self.views
-        # a block no record held since it was last handed out (FREE's, mostly) changes nothing
-        touched = ids[views.first_holder[ids] != NOBODY]
-        if touched.size:
-            views.generation[touched] += 1
-            views.first_holder[touched] = NOBODY
+        # A block no record held since it was last handed out (FREE's, mostly) needs no new
+        # generation (no record names its current one), but one costs less than finding it.
+        views.generation[ids] += 1
+        views.first_holder[ids] = NOBODY
 
     def _unbind_few(self, block_ids: Sequence[int]) -> None:
         """``unbind`` block by block."""

@@ -72,8 +72,15 @@ def describe_groups(coordinator: Any) -> tuple[KVGroup, ...]:
         if not getattr(spec, "prefix_cacheable", True):
             continue
         block_size = manager.block_size
+        window = getattr(spec, "sliding_window", None)
         groups.append(
-            KVGroup(index, kind_of(type(spec).__name__), block_size, block_size // hash_block_size)
+            KVGroup(
+                index,
+                kind_of(type(spec).__name__),
+                block_size,
+                block_size // hash_block_size,
+                window if isinstance(window, int) else 0,
+            )
         )
     return tuple(groups)
 
@@ -113,7 +120,7 @@ def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance)
     if state is not None:
         start = perf_counter_ns()
-        state.block_states.unbind([block.block_id for block in blocks])  # every group's
+        state.blocks_handed_out(blocks)  # every group's
         state.engine_ns += perf_counter_ns() - start
     return blocks
 
@@ -174,6 +181,7 @@ def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         state.steps += 1
         start = perf_counter_ns()
         bind_step(state, instance.requests, output)
+        state.end_step()
         state.engine_ns += perf_counter_ns() - start
     return output
 
@@ -200,7 +208,7 @@ def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
             state.bind_scheduled(
                 session, req_id, block_ids, request.num_prompt_tokens,
                 appended=req_id not in resumed,
-                decoding=request.num_computed_tokens > request.num_prompt_tokens,  # after it
+                decoded=request.num_computed_tokens - request.num_prompt_tokens,
             )  # fmt: skip
 
 

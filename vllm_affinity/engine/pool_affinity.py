@@ -42,7 +42,7 @@ from ..core import (
 from ..core.block_states import BlockStates, id_array
 from ..core.compaction import owner_of, retried_branch, settling_branch, side_branch
 from ..core.counters import Counters
-from ..core.groups import KVGroup
+from ..core.groups import KVGroup, decode_bound_at_free
 from ..core.idle_guard import IdleGuard
 from ..core.request_keys import (
     DENSE_KINDS,
@@ -134,6 +134,10 @@ class _Picks:
         return self.count - before
 
 
+#: At most this many allocations' ids kept for the step's output (``blocks_handed_out``).
+_MAX_FRESH = 1024
+
+
 class PoolAffinity:
     """Per-``BlockPool`` state: the segmented queue (also ``pool.free_block_queue``), one
     session table per KV-cache group (``core/groups.py``), and which blocks of each running
@@ -184,6 +188,8 @@ class PoolAffinity:
         #: Running requests whose growth is bound at their free (``bind_scheduled``), or when
         #: a release of their session needs it (``_catch_up``).
         self._decoding: set[str] = set()
+        #: The step's allocations of many blocks, by first block id: (their ids, as an array).
+        self._fresh: dict[int, tuple[list[int], np.ndarray]] = {}
         #: A running request's blocks by request id (the ``KVCacheManager``'s coordinator's
         #: ``get_blocks``; set when the manager is built).
         self.request_blocks: Callable[[str], Sequence[list[Any]]] | None = None
@@ -195,9 +201,10 @@ class PoolAffinity:
         self.groups = groups
         #: Per group, its list's index in vLLM's and whether it is full attention (no hole).
         self._group_lists = [(g.index, g.kind in DENSE_KINDS) for g in groups]
-        self._all_dense = all(dense for _, dense in self._group_lists)
+        #: Tokens a request may decode with its growth bound at its free (``bind_scheduled``).
+        self._decode_at_free = decode_bound_at_free(groups, DENSE_KINDS)
         #: Per block of the pool, who holds its content: one for every group's table.
-        self.block_states = BlockStates(self.pool.num_gpu_blocks)
+        self.block_states = BlockStates(self.pool.num_gpu_blocks, fixed=True)
         self.tables = tuple(
             SessionBlocks(self._max_sessions, 0, g.kind in DENSE_KINDS, self.block_states)
             for g in groups
@@ -225,25 +232,63 @@ class PoolAffinity:
         block_ids: Sequence[Sequence[int]],
         prompt: int,
         appended: bool,
-        decoding: bool = False,
+        decoded: int = 0,
     ) -> None:
         """Record what the scheduler's step output hands the workers (one list of block ids
         per vLLM group): a new or resumed request's whole block lists, or (``appended``) the
         blocks a running request got in this step, after those already bound: from the ids vLLM
-        computed for its output, once per prefill step. On a model whose every group is full
-        attention, a request ``decoding`` (its prompt computed) leaves its growth to its free
-        (``bind_request``: its last few blocks read once, not a bind per step that got one);
-        a sliding window or a Mamba group drops blocks as it decodes, which the record keeps,
-        so it binds every step."""
+        computed for its output, once per prefill step. A request that has ``decoded`` tokens
+        (its prompt computed) leaves its growth to its free (``bind_request``: its last few
+        blocks read once, not a bind per step that got one) while none of its blocks can have
+        been dropped before then (``decode_bound_at_free``: a sliding window's drops are kept
+        in the record, so past that it binds every step again; a Mamba group's, always)."""
         already = self._bound.get(request_id) if appended else None
         if appended:
-            if already is None or request_id in self._decoding:
-                return  # never bound whole, or decoding: bound when it frees its blocks
-            if decoding and self._all_dense:
+            if already is None:
+                return  # never bound whole: bound when it frees its blocks
+            if decoded > 0 and decoded <= self._decode_at_free:
                 self._decoding.add(request_id)
                 return
-        grown = [self._id_array(block_ids[index], dense) for index, dense in self._group_lists]
+            if request_id in self._decoding:  # decoded past the bound: its growth so far, now
+                self._decoding.discard(request_id)
+                if self.request_blocks is not None:
+                    self.bind_request(session, request_id, self.request_blocks(request_id), prompt)
+                    return
+        grown = [
+            self._handed_out(block_ids[index])
+            if appended
+            else self._id_array(block_ids[index], dense)
+            for index, dense in self._group_lists
+        ]
         self._bind(session, request_id, grown, already, prompt, whole=None)
+
+    def blocks_handed_out(self, blocks: Sequence[Any]) -> None:
+        """vLLM's pool hands these blocks out for new content (``BlockPool.get_new_blocks``):
+        no record holds them any more. A running request's are bound by the step's output
+        right after (``bind_scheduled``): their ids, converted here, are kept for it."""
+        ids = [block.block_id for block in blocks]
+        if len(ids) <= FEW_BLOCKS:
+            self.block_states.unbind(ids)
+            return
+        array = self.block_states.as_ids(ids)
+        self.block_states.unbind(array)
+        if len(self._fresh) >= _MAX_FRESH:  # a driver that binds no step output
+            self._fresh.clear()
+        self._fresh[ids[0]] = (ids, array)
+
+    def _handed_out(self, block_ids: Sequence[int]) -> np.ndarray | list[int]:
+        """A running request's new blocks of a step, as ``blocks_handed_out`` converted them
+        (the same ids in the same order), else converted now. New blocks are never the null
+        block."""
+        if len(block_ids) > FEW_BLOCKS:
+            kept = self._fresh.pop(block_ids[0], None)
+            if kept is not None and kept[0] == block_ids:
+                return kept[1]
+        return self._id_array(block_ids, dense=False)
+
+    def end_step(self) -> None:
+        """The scheduler step's output is bound: what it handed out needs no ids kept."""
+        self._fresh.clear()
 
     def bind_request(
         self, session: str, request_id: str, blocks: Sequence[list[Any]], prompt: int
@@ -766,17 +811,20 @@ class PoolAffinity:
         without asking who holds them; victims no session alone holds (no swap) go a run at a
         time up to the next one a session holds."""
         assert self.returns is not None
-        read = 0  # LRU's victims read (never more than the pop takes)
+        # LRU's victims read so far, a chunk at a time (never more than the pop takes)
+        ids = self.queue.normal_lru_ids(None, min(_VICTIM_CHUNK, take))
+        read = len(ids)
+        positions, dues = self._dues_of(ids)  # the chunk's, by position
+        if not positions and read == take:  # most pops: no victim a session alone holds
+            return take, []
         inf = float("inf")
         picks = _Picks(self.pool.blocks)
         runs: Iterator[tuple[float, list[int]]] | None = None
         run: list[int] = []  # the head run of candidates (one session's, due ``run_due``)
         run_due, at, exhausted = inf, 0, False
         swapped = 0
-        ids: list[int] = []  # LRU's victims read so far, a chunk at a time
-        dues: list[float] | dict[int, float] | None = None  # the chunk's, by position, if asked
-        held: Iterator[int] = iter(())
-        next_held = 0
+        held = iter(positions)  # where a session alone holds the block, in order
+        next_held = next(held, len(ids))
         i = 0
         while picks.count < take:
             if i == len(ids):
@@ -786,7 +834,10 @@ class PoolAffinity:
                 if not ids:
                     break
                 read += len(ids)
-                dues, i = None, 0
+                positions, dues = self._dues_of(ids)
+                held = iter(positions)
+                next_held = next(held, len(ids))
+                i = 0
             victim_id = ids[i]
             if at < len(run) and run[at] == victim_id:
                 # in step: each would be taken as the run's next candidate up to itself
@@ -796,10 +847,6 @@ class PoolAffinity:
                 i += step
                 at += step
                 continue
-            if dues is None:
-                positions, dues = self._dues_of(ids)
-                held = iter(positions)  # where a session alone holds the block, in order
-                next_held = next(held, len(ids))
             while next_held < i:
                 next_held = next(held, len(ids))
             if next_held > i:
