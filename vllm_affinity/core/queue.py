@@ -246,11 +246,20 @@ class SegmentedFreeBlockQueue:
         """Unlink the first ``take`` blocks of ``segment`` (they exist) onto ``out``."""
         head = self._heads[segment]
         node = head.next_free_block
-        for _ in range(take):
-            out.append(node)
-            nxt = node.next_free_block
-            node.prev_free_block = node.next_free_block = None
-            node = nxt
+        if segment == _FREE or segment == _NORMAL:  # unmarked
+            for _ in range(take):
+                out.append(node)
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                node = nxt
+        else:  # each block's mark is cleared as it leaves: one walk, not two
+            mark = self._mark
+            for _ in range(take):
+                out.append(node)
+                mark[node.block_id] = _NORMAL
+                nxt = node.next_free_block
+                node.prev_free_block = node.next_free_block = None
+                node = nxt
         head.next_free_block = node
         node.prev_free_block = head
         if segment == _FREE:
@@ -258,9 +267,6 @@ class SegmentedFreeBlockQueue:
             return
         self.cached_reused += take
         if segment != _NORMAL:
-            mark = self._mark
-            for block in out[-take:]:
-                mark[block.block_id] = _NORMAL
             self._num_marked -= take
             if segment == _IDLE:
                 self._num_idle -= take
