@@ -246,7 +246,7 @@ class SegmentedFreeBlockQueue:
         """Unlink the first ``take`` blocks of ``segment`` (they exist) onto ``out``."""
         head = self._heads[segment]
         node = head.next_free_block
-        if segment == _FREE or segment == _NORMAL:  # unmarked
+        if segment in (_FREE, _NORMAL):  # unmarked
             for _ in range(take):
                 out.append(node)
                 nxt = node.next_free_block
