@@ -50,15 +50,6 @@ SelectionStatus = Literal["ok", "unknown_session", "record_mismatch", "running"]
 HOLE = -1
 
 
-def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
-    """The length of the longest common prefix of two equally long arrays."""
-    if not len(a):
-        return 0
-    differ = a != b
-    first = int(differ.argmax())
-    return first if differ[first] else len(a)
-
-
 @dataclass(slots=True)
 class SessionRecord:
     """A session's latest request: its blocks (with the generation each had when recorded) and
@@ -181,13 +172,14 @@ class SessionBlocks:
         request mostly starts with its last one's blocks: found by comparing arrays, not by
         letting go of and holding again every block."""
         n = min(old.held, len(ids))
-        if n == 0:
+        if n == 0 or old.block_ids[0] != ids[0]:
             return 0
-        same = _first_difference(np.frombuffer(old.block_ids, np.int32)[:n], ids[:n])
-        if same == 0:
-            return 0
-        now = self._generations_of(ids[:same])
-        return _first_difference(np.frombuffer(old.generations, np.uint32)[:same], now)
+        new = ids[:n]
+        # one pass over both: the first index whose block or its generation differs
+        differ = np.frombuffer(old.block_ids, np.int32)[:n] != new
+        differ |= np.frombuffer(old.generations, np.uint32)[:n] != self._generations_of(new)
+        first = int(differ.argmax())
+        return first if differ[first] else n
 
     def grow(
         self, session: str, request_id: str, held: int, new_ids: Sequence[int], prompt: int

@@ -189,7 +189,7 @@ def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
     """Bind what a scheduler step's output (vLLM's ``SchedulerOutput``) gives each request of
     a session: a new or resumed request's whole block lists, a running request's new blocks.
-    A decode step that gave a request no block costs one ``None`` check."""
+    A decode step that gave no request a block costs a count of its ``None`` entries."""
     for new in output.scheduled_new_reqs:
         request = requests.get(new.req_id)
         session = session_of(request) if request is not None else None
@@ -198,8 +198,11 @@ def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
                 session, new.req_id, new.block_ids, request.num_prompt_tokens, appended=False
             )
     cached = output.scheduled_cached_reqs
+    new_block_ids = cached.new_block_ids
+    if new_block_ids.count(None) == len(new_block_ids):
+        return  # a decode step that gave no running request a block (most): one C-level count
     resumed = cached.resumed_req_ids
-    for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+    for req_id, block_ids in zip(cached.req_ids, new_block_ids, strict=True):
         if block_ids is None:
             continue
         request = requests.get(req_id)

@@ -288,7 +288,8 @@ class PoolAffinity:
 
     def end_step(self) -> None:
         """The scheduler step's output is bound: what it handed out needs no ids kept."""
-        self._fresh.clear()
+        if self._fresh:
+            self._fresh.clear()
 
     def bind_request(
         self, session: str, request_id: str, blocks: Sequence[list[Any]], prompt: int
@@ -899,11 +900,16 @@ class PoolAffinity:
         table, due_of, inf = self.tables[0], self.returns.due, float("inf")
         if len(block_ids) <= _FEW_VICTIMS:  # most pops: block by block
             found: dict[int, float] = {}
-            holders, first, owners = table.blocks.holders, table.blocks.first_holder, None
+            by_owner: dict[int, float] = {}  # victims come in runs of one session's blocks
+            holders, first = table.blocks.holders, table.blocks.first_holder
             for at, block_id in enumerate(block_ids):  # ``sole_holder``, inlined
-                if holders[block_id] == 1 and first[block_id] >= 0:
-                    owners = owners or table.blocks.owners
-                    found[at] = due_of(owners[first[block_id]])
+                if holders[block_id] == 1:
+                    owner = first[block_id]
+                    if owner >= 0:
+                        due = by_owner.get(owner)
+                        if due is None:
+                            due = by_owner[owner] = due_of(table.blocks.owners[owner])
+                        found[at] = due
             return [at for at, due in found.items() if due != inf], found
         held = table.sole_holders(block_ids)
         if not held:  # mostly, once a 16k-token pool is full
