@@ -152,32 +152,39 @@ class SessionBlocks:
             old.num_prompt_tokens = num_prompt_tokens
             self.latest.move_to_end(session)
             return
-        new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
-        kept = 0 if old is None else self._carried_over(old, ids)
-        if old is not None and kept:  # the shared prefix moves over as it is (counts unchanged)
-            new.block_ids, new.generations = old.block_ids[:kept], old.generations[:kept]
-        self._hold(session, new, ids[kept:])
-        if old is not None:
-            self._let_go(old, kept, answer=False)
-        self.latest[session] = new
+        if old is None:
+            new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
+            self._hold(session, new, ids)
+            self.latest[session] = new
+            while len(self.latest) > self._max_sessions:
+                _, evicted = self.latest.popitem(last=False)
+                self._let_go(evicted, 0, answer=False)
+                self.evicted += 1
+            return
+        # the session's record becomes the new request's, in place: the prefix it shares with
+        # the last one stays as it is (counts unchanged), the rest is let go of, then the new
+        # blocks held (in either order a block in both ends with the same count)
+        now = self._generations_of(ids)  # for the comparison and the hold alike
+        kept = self._carried_over(old, ids, now)
+        self._let_go(old, kept, answer=False)
+        del old.block_ids[kept:], old.generations[kept:]
+        old.request_id, old.num_prompt_tokens, old.own_end = (
+            request_id, num_prompt_tokens, sys.maxsize,
+        )  # fmt: skip
+        self._hold(session, old, ids[kept:], now[kept:])
         self.latest.move_to_end(session)
-        while len(self.latest) > self._max_sessions:
-            _, evicted = self.latest.popitem(last=False)
-            self._let_go(evicted, 0, answer=False)
-            self.evicted += 1
 
-    def _carried_over(self, old: SessionRecord, ids: np.ndarray) -> int:
+    def _carried_over(self, old: SessionRecord, ids: np.ndarray, now: np.ndarray) -> int:
         """How many leading entries of ``old`` the new record holds as they are: the same block
-        at each index, its content unchanged since ``old`` recorded it. A session's next
-        request mostly starts with its last one's blocks: found by comparing arrays, not by
-        letting go of and holding again every block."""
+        at each index, its content unchanged since ``old`` recorded it (``now``: the
+        generations of ``ids``). A session's next request mostly starts with its last one's
+        blocks: found by comparing arrays, not by letting go of and holding again every block."""
         n = min(old.held, len(ids))
         if n == 0 or old.block_ids[0] != ids[0]:
             return 0
-        new = ids[:n]
         # one pass over both: the first index whose block or its generation differs
-        differ = np.frombuffer(old.block_ids, np.int32)[:n] != new
-        differ |= np.frombuffer(old.generations, np.uint32)[:n] != self._generations_of(new)
+        differ = np.frombuffer(old.block_ids, np.int32)[:n] != ids[:n]
+        differ |= np.frombuffer(old.generations, np.uint32)[:n] != now[:n]
         first = int(differ.argmax())
         return first if differ[first] else n
 
@@ -416,7 +423,15 @@ class SessionBlocks:
         owner_index.clear()
         owner_index.update((owner, i) for i, owner in enumerate(keep))
 
-    def _hold(self, session: str, record: SessionRecord, ids: np.ndarray | list[int]) -> None:
+    def _hold(
+        self,
+        session: str,
+        record: SessionRecord,
+        ids: np.ndarray | list[int],
+        generations: np.ndarray | None = None,
+    ) -> None:
+        """The record holds ``ids`` after its entries (``generations``: theirs now, if read
+        already)."""
         owner = self._owner(session)
         if isinstance(ids, list):
             self._hold_few(owner, record, ids)
@@ -425,7 +440,8 @@ class SessionBlocks:
         else:
             views = self._v
             holes = not self._dense and bool(ids.min() < 0)
-            generations = views.generation[ids]  # 0 at a hole (``_generations_of``)
+            if generations is None:
+                generations = views.generation[ids]  # 0 at a hole (``_generations_of``)
             record.block_ids.frombytes(ids.astype(np.int32, copy=False).tobytes())
             record.generations.frombytes(generations.tobytes())
             held = ids[ids != HOLE] if holes else ids
