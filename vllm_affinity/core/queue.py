@@ -404,6 +404,21 @@ class SegmentedFreeBlockQueue:
             node = node.next_free_block
         return out
 
+    def normal_lru_unheld(self, n: int, holders: Sequence[int], first_holder: Sequence[int]) -> int:
+        """How many of LRU's next ``n`` NORMAL victims come before the first one a single
+        record holds (``holders`` 1 and an owner, not a mark, in ``first_holder``: the pool's
+        per-block arrays) or the end of NORMAL: ``n`` answers a picker's pop with no swap to
+        consider in one walk, without listing the victims (most pops, once a pool is full)."""
+        node, tail = self._normal_head.next_free_block, self._normal_tail
+        for count in range(n):
+            if node is tail:
+                return count
+            block_id = node.block_id
+            if holders[block_id] == 1 and first_holder[block_id] >= 0:
+                return count
+            node = node.next_free_block
+        return n
+
     def normal_lru(self) -> Iterator[Block]:
         """The NORMAL blocks, least recently used first (a picker's reading of LRU's order)."""
         node = self._normal_head.next_free_block

@@ -314,6 +314,12 @@ class SessionBlocks:
         own = ids[live & alone][::-1].tolist()
         return ReleaseSelection(own, int((live & ~alone).sum()))
 
+    def walkable(self, session: str) -> bool:
+        """Whether ``own_tail_chunks`` has entries to read for ``session`` (a finished request's
+        record, with entries below where its last walk found none of its own)."""
+        record = self.latest.get(session)
+        return record is not None and record.request_id is None and record.own_end > 0 < record.held
+
     def own_tail_chunks(self, session: str, chunk: int = 256) -> Iterator[list[int]]:
         """``select_idle``'s blocks, lazily, a list per ``chunk`` entries of the record read
         (empty where they hold none of its own): a caller that needs the first few of a long

@@ -812,11 +812,14 @@ class PoolAffinity:
         without asking who holds them; victims no session alone holds (no swap) go a run at a
         time up to the next one a session holds."""
         assert self.returns is not None
+        states = self.block_states
+        if self.queue.normal_lru_unheld(take, states.holders, states.first_holder) == take:
+            return take, []  # most pops: no victim a single record holds, found in one walk
         # LRU's victims read so far, a chunk at a time (never more than the pop takes)
         ids = self.queue.normal_lru_ids(None, min(_VICTIM_CHUNK, take))
         read = len(ids)
         positions, dues = self._dues_of(ids)  # the chunk's, by position
-        if not positions and read == take:  # most pops: no victim a session alone holds
+        if not positions and read == take:  # held alone by sessions not due back (``inf``)
             return take, []
         inf = float("inf")
         picks = _Picks(self.pool.blocks)
@@ -921,7 +924,8 @@ class PoolAffinity:
 
     def _candidate_runs(self, take: int) -> Iterator[tuple[float, list[int]]]:
         """(due, block ids): the candidates' own queued NORMAL blocks, the session due back
-        last first (each announced by its due and no blocks, before its record is read), each
+        last first (each announced by its due and no blocks, before its record is read; one
+        running or with nothing left to read is passed over), each
         session's tail first (every group), a run at a time. Bounded work per
         pop, whatever the sessions hold: at most ``_CANDIDATE_CHUNKS`` chunks of records are
         read (sessions whose blocks are idle, shared or in use offer none), then LRU's order
@@ -930,10 +934,15 @@ class PoolAffinity:
         blocks = self.pool.blocks
         chunk = min(max(_FEWEST_ENTRIES, take), 1024)
         reads = _CANDIDATE_CHUNKS
+        tables = self.tables
         for session in self.returns.back_last_first():
+            if not any(table.walkable(session) for table in tables):
+                # running, or nothing left to walk (mostly the sessions that called last):
+                # its due need not come first either, as the next one's is no later
+                continue
             due = self.returns.due(session)
             yield due, []  # its due first: a pick that goes no further reads no record
-            for table in self.tables:
+            for table in tables:
                 for batch in table.own_tail_chunks(session, chunk):
                     # a run of at most ``take`` at a time: a pop mostly takes a few of them
                     run, at, in_use = self.queue.normal_until_in_use(batch, blocks, 0, take)
