@@ -405,6 +405,27 @@ def test_a_picker_answer_takes_lrus_own_first_victims_then_the_chosen_ones() -> 
     assert q.segment_sizes()["normal"] == q.num_free_blocks == 2
 
 
+def test_normal_lru_unheld_counts_victims_up_to_the_first_a_single_record_holds() -> None:
+    """``normal_lru_unheld`` counts NORMAL's next victims (``n`` at most, other segments'
+    never) up to the first one with one holder and an owner: a block held by two records, by
+    a stale count (no first holder) or first held by a session that shared it does not stop
+    it; the end of NORMAL does."""
+    blocks = [FakeBlock(i) for i in range(10)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(8)))  # FREE: 8, 9; NORMAL: 0..7 (LRU first)
+    q.release(blocks[1])  # RELEASED: never a victim read here
+    holders = [0] * 10
+    first = [-1] * 10
+    holders[0], first[0] = 2, 4  # two records
+    holders[2], first[2] = 1, -1  # a stale count: nobody holds it
+    holders[3], first[3] = 1, -3  # shared
+    assert q.normal_lru_unheld(8, holders, first) == 7  # NORMAL ends after 0, 2..7
+    assert q.normal_lru_unheld(3, holders, first) == 3
+    holders[5], first[5] = 1, 0  # one record, owner 0
+    assert q.normal_lru_unheld(8, holders, first) == 4  # 0, 2, 3, 4 come before it
+    assert q.normal_lru_unheld(0, holders, first) == 0
+
+
 def test_normal_lru_ids_reads_lrus_order_a_run_at_a_time() -> None:
     """``normal_lru_ids`` gives the ids of NORMAL's blocks in ``normal_lru``'s order, ``n`` at
     most, from the one after a block it named (``None``: the least recently used), never other
