@@ -63,7 +63,6 @@ WRAPPED = {
     "KVCacheManager.allocate_slots",
     "KVCacheManager.free",
     "KVCacheManager.pop_blocks_for_free",
-    "BlockPool.get_new_blocks",
     "Scheduler.add_request",
     "OpenAIServingChat.create_chat_completion",
     "OpenAIServingCompletion.create_completion",

@@ -385,6 +385,34 @@ def test_a_picker_chooses_the_live_blocks_a_pop_takes() -> None:
     assert ids(q.popleft_n(2)) == [2, 3]
 
 
+def test_the_handout_hook_hears_every_pop_once_its_blocks_are_out() -> None:
+    """Every pop (FREE's fast path, a picker's choice, LRU's order through marked segments)
+    calls the handout hook once with the blocks it returns, already out of the queue; a
+    failed pop calls nothing, and ``None`` turns the hook off."""
+    blocks = [FakeBlock(i) for i in range(8)]
+    q = SegmentedFreeBlockQueue(blocks)
+    heard: list[list[int]] = []
+
+    def hook(out: list[Any]) -> None:
+        assert all(b.prev_free_block is None and b.next_free_block is None for b in out)
+        heard.append(ids(out))
+
+    q.set_on_handout(hook)
+    q.append_n(cached(q.popleft_n(6)))  # FREE: 6, 7; NORMAL: 0..5
+    q.release(blocks[5])
+    q.set_picker(lambda take: (0, [blocks[3]]))
+    assert ids(q.popleft_n(1)) == [6]  # FREE alone
+    assert ids(q.popleft_n(3)) == [7, 5, 3]  # FREE, RELEASED, then the picker's choice
+    q.set_picker(None)
+    assert ids(q.popleft_n(2)) == [0, 1]  # LRU's order
+    with pytest.raises(ValueError):
+        q.popleft_n(5)
+    assert heard == [[0, 1, 2, 3, 4, 5], [6], [7, 5, 3], [0, 1]]
+    q.set_on_handout(None)
+    q.popleft_n(1)
+    assert len(heard) == 4
+
+
 def test_a_picker_answer_takes_lrus_own_first_victims_then_the_chosen_ones() -> None:
     """``(lru, chosen)``: the pop takes LRU's first ``lru`` victims from NORMAL's head, then
     the chosen blocks; one of those first victims chosen again is taken once, and LRU's order

@@ -140,6 +140,7 @@ class SegmentedFreeBlockQueue:
         self._num_protected = 0  # size of PROTECTED
         self._pending: set[int] = set()
         self._picker: Picker | None = None
+        self._on_handout: Callable[[list[Block]], None] | None = None
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
@@ -159,6 +160,15 @@ class SegmentedFreeBlockQueue:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[Block]:
+        """vLLM's pool hands blocks out for new content through this call alone
+        (``BlockPool.get_new_blocks``): the handout hook hears of them here, at the cost of a
+        call, not a wrap of vLLM's method."""
+        out = self._popleft_n(n)
+        if self._on_handout is not None:
+            self._on_handout(out)
+        return out
+
+    def _popleft_n(self, n: int) -> list[Block]:
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
         self.num_free_blocks -= n
@@ -366,6 +376,11 @@ class SegmentedFreeBlockQueue:
     def set_picker(self, picker: Picker | None) -> None:
         """Let ``picker`` choose the live (NORMAL) blocks a pop takes; ``None``: LRU's."""
         self._picker = picker
+
+    def set_on_handout(self, hook: Callable[[list[Block]], None] | None) -> None:
+        """Call ``hook`` with every pop's blocks, once they are out of the queue (the pool
+        hands them out for new content); ``None``: no call."""
+        self._on_handout = hook
 
     def _repick(self, n: int) -> list[Block]:
         """Before a pop of ``n``: the NORMAL blocks the picker chose out of LRU's order, asked at

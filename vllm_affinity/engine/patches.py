@@ -1,8 +1,9 @@
 """vLLM adapter, engine side: thin wrapt patches of small methods plus two ``EngineCore`` utilities.
 
 - ``BlockPool.__init__``: swap in the segmented queue and attach a ``PoolAffinity``
-  (``pool_affinity.py``: the state and every path that acts on it).
-- ``BlockPool.get_new_blocks``: blocks handed out for new content are held by no session any more.
+  (``pool_affinity.py``: the state and every path that acts on it). Blocks the pool hands out
+  for new content (``get_new_blocks``, through the queue's ``popleft_n``) are held by no session
+  any more: the queue's handout hook says so, with no wrap of vLLM's method.
 - ``Scheduler.schedule``: bind the blocks each step hands the workers (a new request's prefix
   hits and new blocks, a running request's new ones, as vLLM's ``SchedulerOutput`` lists them)
   to the request's session (``session_id``, else ``cache_salt``); ``KVCacheManager.free`` /
@@ -113,16 +114,6 @@ def _kv_cache_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) 
             "vllm_affinity: prefix caching is off on this engine: no prompt can hit a cached "
             "block, so releases have nothing to free (turn prefix caching on to use the plugin)"
         )
-
-
-def _get_new_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    blocks = wrapped(*args, **kwargs)
-    state = affinity_of(instance)
-    if state is not None:
-        start = perf_counter_ns()
-        state.blocks_handed_out(blocks)  # every group's
-        state.engine_ns += perf_counter_ns() - start
-    return blocks
 
 
 def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -369,7 +360,6 @@ def apply_engine_patches() -> None:
 
     settings = Settings.from_env()
     wrapt.wrap_function_wrapper(BlockPool, "__init__", _make_block_pool_init(settings))
-    wrapt.wrap_function_wrapper(BlockPool, "get_new_blocks", _get_new_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "__init__", _kv_cache_manager_init)
     wrapt.wrap_function_wrapper(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter_ns
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,7 @@ class PoolAffinity:
         #: A running request's blocks by request id (the ``KVCacheManager``'s coordinator's
         #: ``get_blocks``; set when the manager is built).
         self.request_blocks: Callable[[str], Sequence[list[Any]]] | None = None
+        self.queue.set_on_handout(self.blocks_handed_out)  # vLLM's ``get_new_blocks``' pops
 
     def attach_groups(self, groups: tuple[KVGroup, ...]) -> None:
         """The model's KV-cache groups that prefix caching covers (before any request)."""
@@ -263,18 +265,21 @@ class PoolAffinity:
         self._bind(session, request_id, grown, already, prompt, whole=None)
 
     def blocks_handed_out(self, blocks: Sequence[Any]) -> None:
-        """vLLM's pool hands these blocks out for new content (``BlockPool.get_new_blocks``):
-        no record holds them any more. A running request's are bound by the step's output
-        right after (``bind_scheduled``): their ids, converted here, are kept for it."""
+        """vLLM's pool hands these blocks out for new content (``BlockPool.get_new_blocks``,
+        through the queue's pop: its handout hook): no record holds them any more. A running
+        request's are bound by the step's output right after (``bind_scheduled``): their ids,
+        converted here, are kept for it."""
+        start = perf_counter_ns()
         ids = [block.block_id for block in blocks]
         if len(ids) <= FEW_BLOCKS:
             self.block_states.unbind(ids)
-            return
-        array = self.block_states.as_ids(ids)
-        self.block_states.unbind(array)
-        if len(self._fresh) >= _MAX_FRESH:  # a driver that binds no step output
-            self._fresh.clear()
-        self._fresh[ids[0]] = (ids, array)
+        else:
+            array = self.block_states.as_ids(ids)
+            self.block_states.unbind(array)
+            if len(self._fresh) >= _MAX_FRESH:  # a driver that binds no step output
+                self._fresh.clear()
+            self._fresh[ids[0]] = (ids, array)
+        self.engine_ns += perf_counter_ns() - start
 
     def _handed_out(self, block_ids: Sequence[int]) -> np.ndarray | list[int]:
         """A running request's new blocks of a step, as ``blocks_handed_out`` converted them
