@@ -53,3 +53,19 @@ def test_control_runs_vanilla_against_itself(tmp_path: Path) -> None:
     header, rule, line = (tmp_path / "engine_scale.md").read_text().splitlines()[4:7]
     assert header.endswith("vanilla against itself |") and rule.endswith("---:|")
     assert line.endswith(f"x{control['ratio']:.2f} |")
+
+
+def test_runs_report_the_median_run_with_every_runs_ratio(tmp_path: Path) -> None:
+    """``--runs 3`` runs the cell three times over: the row is the run with the median ratio,
+    every run's ratio is kept in run order and listed in the table; an even count is
+    refused (no median run)."""
+    argv = ["--cells", "1500:2048:6", "--rounds", "2", "--runs", "3", "--out", str(tmp_path)]
+    assert engine_scale.main(argv) == 0
+    (row,) = json.loads((tmp_path / "engine_scale.json").read_text())["rows"]
+    ratios = row["run_ratios"]
+    assert row["runs"] == len(ratios) == 3 and row["ratio"] == sorted(ratios)[1]
+    header, rule, line = (tmp_path / "engine_scale.md").read_text().splitlines()[4:7]
+    assert header.endswith("every run's ratio |") and rule.endswith("---|")
+    assert line.endswith(" " + ", ".join(f"x{r:.3f}" for r in ratios) + " |")
+    with pytest.raises(SystemExit):
+        engine_scale.main(["--runs", "2", "--out", str(tmp_path)])
