@@ -385,6 +385,22 @@ def test_a_running_request_grows_by_its_new_blocks() -> None:
     assert table.holders(4) == 0 and table.check() == []
 
 
+def test_walkable_says_whether_the_pickers_walk_has_entries_to_read() -> None:
+    """``walkable`` is true exactly when ``own_tail_chunks`` reads something: a finished
+    request's record with entries below where its last walk ended; not an unknown session, a
+    running request's record, or one whose walk found none of its own blocks down to its
+    first entry."""
+    table = SessionBlocks()
+    assert not table.walkable("a")
+    table.record("a", [1, 2, 3], 96, "r1")
+    assert not table.walkable("a") and list(table.own_tail_chunks("a", 2)) == []
+    table.request_finished("a", "r1")
+    assert table.walkable("a") and [b for part in table.own_tail_chunks("a", 2) for b in part]
+    table.record("b", [1, 2, 3], 96, "q1")  # every block shared now: the walk finds none
+    assert list(table.own_tail_chunks("a", 2)) == [[], []]
+    assert not table.walkable("a") and list(table.own_tail_chunks("a", 2)) == []
+
+
 def test_owner_names_stay_bounded_and_keep_their_meaning() -> None:
     """Owners are kept by index; past ``2 * max_sessions + 1024`` names the table keeps only
     its sessions' owners. A block first held by a session that left still counts as another
