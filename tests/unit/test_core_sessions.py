@@ -263,6 +263,45 @@ TestVectorisedSessionMachine = VectorisedSessionMachine.TestCase
 TestVectorisedSessionMachine.settings = TestSessionMachine.settings
 
 
+class RenumberedSessionMachine(SessionMachine):
+    """The same model with the generation counter spent every third handout: the records are
+    renumbered (``BlockStates.renumber``) over and over, and hold exactly what they held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table.blocks.epoch_limit = 3
+
+
+TestRenumberedSessionMachine = RenumberedSessionMachine.TestCase
+TestRenumberedSessionMachine.settings = TestSessionMachine.settings
+
+
+def test_renumbering_keeps_what_every_record_holds() -> None:
+    """Two tables over one block state: after a renumbering, an entry still holding its
+    content (a hole aside) names generation 1, which every block has, the others 0; what each
+    record holds, releases and carries over is unchanged, and the next handout's generation
+    is 2."""
+    blocks = BlockStates(16)
+    full, window = SessionBlocks(blocks=blocks), SessionBlocks(blocks=blocks)
+    full.record("a", [1, 2, 3], 96, "r1")
+    window.record("a", [HOLE, 4, 5], 96, "r1")
+    full.request_finished("a", "r1")
+    window.request_finished("a", "r1")
+    full.unbind([3, 5])  # reused: no record holds them any more
+    before = (full.unreused("a", 0), window.unreused("a", 0), full.bindings, window.bindings)
+    blocks.renumber()
+    assert list(full.latest["a"].generations) == [1, 1, 0]
+    assert list(window.latest["a"].generations) == [0, 1, 0]
+    assert set(blocks.generation[:-1]) == {1} and blocks.generation[-1] == 0
+    assert (full.unreused("a", 0), window.unreused("a", 0), full.bindings, window.bindings) == (
+        before
+    )
+    full.unbind([2])
+    assert blocks.generation[2] == 2 and full.unreused("a", 0) == [1]
+    full.record("a", [1, 2, 6], 96, "r2")  # 1 carried over, 2 held afresh (reused since)
+    assert [full.holders(b) for b in (1, 2, 6)] == [1, 1, 1] and full.check([window]) == []
+
+
 def retained_bytes(table: SessionBlocks) -> int:
     """What the table keeps alive: its dicts, and per session the key, record and arrays."""
     size = sum(sys.getsizeof(d) for d in (table.latest, table._holders, table._generation))
@@ -467,9 +506,10 @@ def test_a_hole_reads_the_spare_slot_as_no_block() -> None:
     for round_ in range(3):
         top = 4 * (round_ + 1) + round_  # past the arrays at first, then growing them
         table.record("s", [HOLE, 1, HOLE, top], 10, f"r{round_}")
-        table.unbind([1, top])  # reused: new generations for the blocks, none for the hole
+        table.unbind([1, top])  # reused: the handout's generation for both, none for the hole
         assert len(table.blocks.holders) > top + 1
         assert table.blocks.generation[-1] == 0 and table.blocks.holders[-1] == 0
-        assert table._generations_of(table._as_ids([HOLE, top, 1])).tolist() == [0, 1, round_ + 1]
+        now = round_ + 1  # the round's handout
+        assert table._generations_of(table._as_ids([HOLE, top, 1])).tolist() == [0, now, now]
     table.record("s", [HOLE, 2, HOLE], 10, "r")
     assert table.check() == [] and table.holders(2) == 1

@@ -6,14 +6,18 @@ serves them all, and a block handed out for new content is let go of once (``unb
 group it served before. Per block of the pool: 12 bytes.
 
 Per block, by block id (vLLM's ids are dense, fixed at start-up: ``capacity``, grown on demand
-past it): how many records hold its current content, its generation (times reused for new
-content: a record that names it with an older one holds nothing there), and the owner index of
-its first holder, or ``SHARED`` once a second session held that content. The owners are session
-names without their branch (``core/compaction.py``), indexed once.
+past it): how many records hold its current content, its generation (the handout that last
+gave it new content: a record that names it with another one holds nothing there), and the
+owner index of its first holder, or ``SHARED`` once a second session held that content. The
+owners are session names without their branch (``core/compaction.py``), indexed once.
 
-A block handed out again (``unbind``) gets a new generation and no first holder (``NOBODY``),
-and nothing else is written: its holder count means something only while it has a first
-holder (a hold of fresh content sets it), so a reused block costs two writes, not four.
+A block handed out again (``unbind``) gets the handout's generation (one counter for the pool,
+so a handout of many blocks writes one value, not a read, an add and a write per block) and no
+first holder (``NOBODY``), and nothing else is written: its holder count means something only
+while it has a first holder (a hold of fresh content sets it), so a reused block costs two
+writes, not four. Before the counter would pass a ``uint32``, every record's entries are
+renumbered (``renumber``): those still holding their content name generation 1, which every
+block then has, the others 0.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +36,8 @@ import numpy as np
 NOBODY, GONE, SHARED = -1, -2, -3
 #: Up to this many blocks, a hold or unbind goes block by block (numpy's set-up costs more).
 FEW_BLOCKS = 24
+#: The last generation ``unbind`` hands out before it renumbers (``BlockStates.renumber``).
+EPOCH_LIMIT = 2**32 - 1
 
 
 def id_array(block_ids: Sequence[int]) -> np.ndarray:
@@ -66,10 +72,15 @@ class BlockStates:
         and fixed at start-up), so ids are used without a bound check (``as_ids``)."""
         self.fixed = fixed
         self.holders = array("i")  # block id → records holding its current content
-        self.generation = array("I")  # block id → times reused for new content
+        self.generation = array("I")  # block id → the handout that gave it its content
         self.first_holder = array("i")  # block id → owner index of its first holder, or a mark
         self.owner_index: dict[str, int] = {}
         self.owners: list[str] = []
+        #: The last generation handed out (``unbind``), and the last before a renumbering.
+        self.epoch = 0
+        self.epoch_limit = EPOCH_LIMIT
+        #: Per table over these arrays: its records' (block ids, generations), for ``renumber``.
+        self.record_sources: list[Callable[[], Iterable[tuple[array[int], array[int]]]]] = []
         self._views: BlockViews | None = None
         self.ensure(capacity)
 
@@ -132,13 +143,39 @@ class BlockStates:
         views = self.views
         # A block no record held since it was last handed out (FREE's, mostly) needs no new
         # generation (no record names its current one), but one costs less than finding it.
-        views.generation[ids] += 1
+        views.generation[ids] = self._next_generation()
         views.first_holder[ids] = NOBODY
 
     def _unbind_few(self, block_ids: Sequence[int]) -> None:
         """``unbind`` block by block."""
         first, size = self.first_holder, len(self.first_holder)
+        generation = 0
         for block_id in block_ids:
             if 0 <= block_id < size and first[block_id] != NOBODY:
-                self.generation[block_id] += 1
+                generation = generation or self._next_generation()
+                self.generation[block_id] = generation
                 first[block_id] = NOBODY
+
+    def _next_generation(self) -> int:
+        """A generation no record names yet (renumbering first when the counter is spent)."""
+        if self.epoch >= self.epoch_limit:
+            self.renumber()
+        self.epoch += 1
+        return self.epoch
+
+    def renumber(self) -> None:
+        """Restart the generations: every record's entry that still holds its content (the
+        block's generation unchanged since it was recorded; not a hole) names generation 1,
+        every other entry 0, and every block gets generation 1 (the spare slot keeps 0, which
+        a hole reads): which entries hold what is unchanged."""
+        if not len(self.generation):
+            return
+        generation = self.views.generation
+        for source in self.record_sources:
+            for block_ids, generations in source():
+                ids = np.frombuffer(block_ids, np.int32)
+                recorded = np.frombuffer(generations, np.uint32)
+                recorded[:] = (generation[ids] == recorded) & (ids >= 0)
+                del ids, recorded  # no view outlives the call: the record may grow
+        generation[:-1] = 1
+        self.epoch = 1

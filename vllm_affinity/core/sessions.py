@@ -99,6 +99,7 @@ class SessionBlocks:
         self.latest: OrderedDict[str, SessionRecord] = OrderedDict()
         self.blocks = blocks or BlockStates(capacity)
         self.blocks.ensure(capacity)
+        self.blocks.record_sources.append(self._recorded)
         # the shared arrays themselves (they grow in place), for the block-by-block paths
         self._holders = self.blocks.holders
         self._generation = self.blocks.generation
@@ -358,6 +359,11 @@ class SessionBlocks:
         return list(ids[live].tolist())
 
     # -- internals ----------------------------------------------------------------------------
+    def _recorded(self) -> Iterator[tuple[array[int], array[int]]]:
+        """Every record's (block ids, generations), for ``BlockStates.renumber``."""
+        for record in self.latest.values():
+            yield record.block_ids, record.generations
+
     def _ensure(self, size: int) -> None:
         self.blocks.ensure(size)
 
