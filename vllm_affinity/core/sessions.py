@@ -325,9 +325,9 @@ class SessionBlocks:
         """``select_idle``'s blocks, lazily, a list per ``chunk`` entries of the record read
         (empty where they hold none of its own): a caller that needs the first few of a long
         record (the predicted-return picker) reads only those."""
-        record = self.latest.get(session)
-        if record is None or record.request_id is not None:
+        if not self.walkable(session):
             return
+        record = self.latest[session]
         end = min(record.held, record.own_end)
         tail = True  # no own block found yet from the end
         while end > 0:
