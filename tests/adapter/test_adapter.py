@@ -378,6 +378,24 @@ def test_reused_block_loses_its_owner() -> None:
     assert_no_leak(manager)
 
 
+def test_single_block_handouts_are_unbound_before_the_states_are_read() -> None:
+    """A decode step's single-block handouts wait to be unbound together: whatever reads the
+    tables next (a release here) finds the reused blocks no longer held."""
+    manager = make_manager(6)  # 5 usable
+    a = make_request(tokens(0, 4), session="A")
+    run_prefill(manager, a)
+    manager.free(a)
+    state = state_of(manager)
+    state.predict_returns(False)  # LRU's order: no picker reads the states at a pop
+    pool = manager.block_pool
+    reused = [pool.get_new_blocks(1)[0].block_id for _ in range(3)]  # FREE's one, then A's
+    assert len(state._handed_one) == 3  # not unbound yet
+    assert [state.tables[0].holders(b) for b in reused[1:]] == [0, 0]
+    assert not state._handed_one
+    assert state.release("A", 0).block_released == 2
+    assert_no_leak(manager)
+
+
 def test_unknown_session_and_record_mismatch() -> None:
     manager = make_manager(10)
     a = make_request(tokens(0, 2), session="A")

@@ -169,7 +169,9 @@ class PoolAffinity:
         #: A side branch's instruction length (its latest request's ``HEAD_KEY``).
         self._side_heads: OrderedDict[str, int] = OrderedDict()
         self.groups: tuple[KVGroup, ...] = ()
-        self.tables: tuple[SessionBlocks, ...] = ()
+        self._tables: tuple[SessionBlocks, ...] = ()
+        #: Single blocks handed out (a decode step's) not yet unbound (``_settle``).
+        self._handed_one: list[Any] = []
         # the picker is part of the session lifecycle: release-only mode is LRU's order; None:
         # ``auto``, on until the groups say the model is hybrid (``attach_groups``)
         self._picker = settings.predict_return if settings.lifecycle else False
@@ -206,9 +208,9 @@ class PoolAffinity:
         #: Tokens a request may decode with its growth bound at its free (``bind_scheduled``).
         self._decode_at_free = decode_bound_at_free(groups, DENSE_KINDS)
         #: Per block of the pool, who holds its content: one for every group's table.
-        self.block_states = BlockStates(self.pool.num_gpu_blocks, fixed=True)
-        self.tables = tuple(
-            SessionBlocks(self._max_sessions, 0, g.kind in DENSE_KINDS, self.block_states)
+        self._block_states = BlockStates(self.pool.num_gpu_blocks, fixed=True)
+        self._tables = tuple(
+            SessionBlocks(self._max_sessions, 0, g.kind in DENSE_KINDS, self._block_states)
             for g in groups
         )
         #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
@@ -220,6 +222,27 @@ class PoolAffinity:
         if self._picker is None and len(groups) > 1:
             self.predict_returns(False)  # ``auto`` on a hybrid model: LRU's order
         self._group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]
+
+    @property
+    def tables(self) -> tuple[SessionBlocks, ...]:
+        """One session table per group, the blocks handed out so far unbound in them."""
+        if self._handed_one:
+            self._settle()
+        return self._tables
+
+    @property
+    def block_states(self) -> BlockStates:
+        """Who holds each block of the pool (every group's table's), the blocks handed out so
+        far unbound."""
+        if self._handed_one:
+            self._settle()
+        return self._block_states
+
+    def _settle(self) -> None:
+        """Unbind the single blocks handed out since the states were last read: a step's decode
+        blocks in one call, not a call per block (``blocks_handed_out``)."""
+        handed, self._handed_one = self._handed_one, []
+        self._block_states.unbind([block.block_id for block in handed])
 
     @property
     def sessions(self) -> SessionBlocks:
@@ -268,7 +291,12 @@ class PoolAffinity:
         """vLLM's pool hands these blocks out for new content (``BlockPool.get_new_blocks``,
         through the queue's pop: its handout hook): no record holds them any more. A running
         request's are bound by the step's output right after (``bind_scheduled``): their ids,
-        converted here, are kept for it."""
+        converted here, are kept for it. A single block (a decode step's, mostly) waits to be
+        unbound with the others until the states are next read (``tables``, ``block_states``):
+        no record can hold it before then."""
+        if len(blocks) == 1:
+            self._handed_one.append(blocks[0])
+            return
         start = perf_counter_ns()
         ids = [block.block_id for block in blocks]
         if len(ids) <= FEW_BLOCKS:
@@ -817,7 +845,7 @@ class PoolAffinity:
         without asking who holds them; victims no session alone holds (no swap) go a run at a
         time up to the next one a session holds."""
         assert self.returns is not None
-        states = self.block_states
+        states = self._block_states  # as it stands: a block handed out is no queued victim
         if self.queue.normal_lru_unheld(take, states.holders, states.first_holder) == take:
             return take, []  # most pops: no victim a single record holds, found in one walk
         # LRU's victims read so far, a chunk at a time (never more than the pop takes)
