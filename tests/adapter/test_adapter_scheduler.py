@@ -80,6 +80,44 @@ def test_each_step_binds_what_it_hands_the_workers() -> None:
     assert not state.check(idle=True)
 
 
+def test_a_prompt_after_a_hit_is_bound_from_its_handout_and_its_hit() -> None:
+    """A session's next prompt hits the last one's blocks and gets many new ones in one step:
+    its record is its whole block list, the hit converted at the bind and the new blocks as the
+    handout converted them, in every group (a sliding window's skipped blocks are holes); so
+    too a prompt with no hit, chunk after chunk."""
+    for config in (full_attention(256), sliding_beside_full(512, 4 * BLOCK)):
+        engine = scheduler(config, max_num_seqs=4, max_num_batched_tokens=64 * BLOCK)
+        state = state_of(engine.kv_cache_manager)
+        first = make_request(tokens(0, 8), session="A", sampling_params=decoding(1))
+        engine.add_request(first)
+        step(engine)
+        full = next(g.index for g in state.groups if g.kind == "full_attention")
+        hit = list(engine.kv_cache_manager.get_block_ids(first.request_id)[full])
+        while first.request_id in engine.requests:
+            step(engine)
+        second = make_request(tokens(0, 48), session="A", sampling_params=decoding(4))
+        engine.add_request(second)
+        step(engine)
+        lists = engine.kv_cache_manager.get_block_ids(second.request_id)
+        assert lists[full][: len(hit)] == hit  # the hit: the first prompt's blocks
+        for table, group in zip(state.tables, state.groups, strict=True):
+            ids = [HOLE if i == 0 else i for i in lists[group.index]]
+            assert np.frombuffer(table.latest["A"].block_ids, np.int32).tolist() == ids
+        # no hit, in two chunks: the first bound whole, the second after it, from the handouts
+        other = make_request(tokens(1000, 100), session="B", sampling_params=decoding(4))
+        engine.add_request(other)
+        for _ in range(2):
+            step(engine)
+            lists = engine.kv_cache_manager.get_block_ids(other.request_id)
+            for table, group in zip(state.tables, state.groups, strict=True):
+                ids = [HOLE if i == 0 else i for i in lists[group.index]]
+                record = np.frombuffer(table.latest["B"].block_ids, np.int32).tolist()
+                assert len(record) == len(ids)  # a window's dropped blocks stay in the record
+                assert all(i in (HOLE, r) for i, r in zip(ids, record, strict=True))
+        assert len(record) == 100
+        assert not state.check(idle=False)
+
+
 def test_a_preempted_request_is_bound_afresh_when_it_resumes() -> None:
     """A pool too small for both requests: one is preempted and resumes with a new block list
     (the step output's ``resumed_req_ids``); every record still matches."""

@@ -191,7 +191,7 @@ class PoolAffinity:
         #: Running requests whose growth is bound at their free (``bind_scheduled``), or when
         #: a release of their session needs it (``_catch_up``).
         self._decoding: set[str] = set()
-        #: The step's allocations of many blocks, by first block id: (their ids, as an array).
+        #: The step's allocations of many blocks, by last block id: (their ids, as an array).
         self._fresh: dict[int, tuple[list[int], np.ndarray]] = {}
         #: A running request's blocks by request id (the ``KVCacheManager``'s coordinator's
         #: ``get_blocks``; set when the manager is built).
@@ -282,7 +282,7 @@ class PoolAffinity:
         grown = [
             self._handed_out(block_ids[index])
             if appended
-            else self._id_array(block_ids[index], dense)
+            else self._whole_ids(block_ids[index], dense)
             for index, dense in self._group_lists
         ]
         self._bind(session, request_id, grown, already, prompt, whole=None)
@@ -306,7 +306,7 @@ class PoolAffinity:
             self.block_states.unbind(array)
             if len(self._fresh) >= _MAX_FRESH:  # a driver that binds no step output
                 self._fresh.clear()
-            self._fresh[ids[0]] = (ids, array)
+            self._fresh[ids[-1]] = (ids, array)
         self.engine_ns += perf_counter_ns() - start
 
     def _handed_out(self, block_ids: Sequence[int]) -> np.ndarray | list[int]:
@@ -314,10 +314,25 @@ class PoolAffinity:
         (the same ids in the same order), else converted now. New blocks are never the null
         block."""
         if len(block_ids) > FEW_BLOCKS:
-            kept = self._fresh.pop(block_ids[0], None)
+            kept = self._fresh.pop(block_ids[-1], None)
             if kept is not None and kept[0] == block_ids:
                 return kept[1]
         return self._id_array(block_ids, dense=False)
+
+    def _whole_ids(self, block_ids: Sequence[int], dense: bool) -> np.ndarray | list[int]:
+        """A new or resumed request's whole list of a group, converted: its tail handed out in
+        this step as ``blocks_handed_out`` converted it (a new prompt's blocks after its hit),
+        only the rest converted now."""
+        kept = self._fresh.pop(block_ids[-1], None) if len(block_ids) > FEW_BLOCKS else None
+        if kept is None or block_ids[-len(kept[0]) :] != kept[0]:
+            return self._id_array(block_ids, dense)
+        head = len(block_ids) - len(kept[0])
+        if not head:
+            return kept[1]
+        ids = np.empty(len(block_ids), np.int32)
+        ids[:head] = self._id_array(block_ids[:head], dense)
+        ids[head:] = kept[1]
+        return ids
 
     def end_step(self) -> None:
         """The scheduler step's output is bound: what it handed out needs no ids kept."""
