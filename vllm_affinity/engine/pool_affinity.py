@@ -137,6 +137,9 @@ class _Picks:
 
 #: At most this many allocations' ids kept for the step's output (``blocks_handed_out``).
 _MAX_FRESH = 1024
+#: Single blocks handed out that wait for the next read of the states at most (a server whose
+#: requests name no session reads none): then they are unbound at once.
+_MAX_HANDED_ONE = 1024
 
 
 class PoolAffinity:
@@ -296,6 +299,8 @@ class PoolAffinity:
         no record can hold it before then."""
         if len(blocks) == 1:
             self._handed_one.append(blocks[0])
+            if len(self._handed_one) >= _MAX_HANDED_ONE:  # nothing read them (no session)
+                self._settle()
             return
         start = perf_counter_ns()
         ids = [block.block_id for block in blocks]
