@@ -282,12 +282,7 @@ class PoolAffinity:
                 if self.request_blocks is not None:
                     self.bind_request(session, request_id, self.request_blocks(request_id), prompt)
                     return
-        grown = [
-            self._handed_out(block_ids[index])
-            if appended
-            else self._whole_ids(block_ids[index], dense)
-            for index, dense in self._group_lists
-        ]
+        grown = [self._step_ids(block_ids[index], dense) for index, dense in self._group_lists]
         self._bind(session, request_id, grown, already, prompt, whole=None)
 
     def blocks_handed_out(self, blocks: Sequence[Any]) -> None:
@@ -295,14 +290,13 @@ class PoolAffinity:
         through the queue's pop: its handout hook): no record holds them any more. A running
         request's are bound by the step's output right after (``bind_scheduled``): their ids,
         converted here, are kept for it. A single block (a decode step's, mostly) waits to be
-        unbound with the others until the states are next read (``tables``, ``block_states``):
-        no record can hold it before then."""
-        if len(blocks) == 1:
+        unbound with the others until the states are next read (``tables``, ``block_states``;
+        no record can hold it before then) or ``_MAX_HANDED_ONE`` wait (a server whose requests
+        name no session reads none)."""
+        if len(blocks) == 1 and len(self._handed_one) < _MAX_HANDED_ONE:
             self._handed_one.append(blocks[0])
-            if len(self._handed_one) >= _MAX_HANDED_ONE:  # nothing read them (no session)
-                self._settle()
             return
-        start = perf_counter_ns()
+        start = perf_counter_ns()  # ``block_states`` settles what waits, within the time
         ids = [block.block_id for block in blocks]
         if len(ids) <= FEW_BLOCKS:
             self.block_states.unbind(ids)
@@ -314,20 +308,11 @@ class PoolAffinity:
             self._fresh[ids[-1]] = (ids, array)
         self.engine_ns += perf_counter_ns() - start
 
-    def _handed_out(self, block_ids: Sequence[int]) -> np.ndarray | list[int]:
-        """A running request's new blocks of a step, as ``blocks_handed_out`` converted them
-        (the same ids in the same order), else converted now. New blocks are never the null
-        block."""
-        if len(block_ids) > FEW_BLOCKS:
-            kept = self._fresh.pop(block_ids[-1], None)
-            if kept is not None and kept[0] == block_ids:
-                return kept[1]
-        return self._id_array(block_ids, dense=False)
-
-    def _whole_ids(self, block_ids: Sequence[int], dense: bool) -> np.ndarray | list[int]:
-        """A new or resumed request's whole list of a group, converted: its tail handed out in
-        this step as ``blocks_handed_out`` converted it (a new prompt's blocks after its hit),
-        only the rest converted now."""
+    def _step_ids(self, block_ids: Sequence[int], dense: bool) -> np.ndarray | list[int]:
+        """A group's block list from the step's output (a new or resumed request's whole list,
+        a running one's new blocks), converted: its tail that the step handed out as
+        ``blocks_handed_out`` converted it (all of a chunk's new blocks, a new prompt's blocks
+        after its hit), only the rest converted now. New blocks are never the null block."""
         kept = self._fresh.pop(block_ids[-1], None) if len(block_ids) > FEW_BLOCKS else None
         if kept is None or block_ids[-len(kept[0]) :] != kept[0]:
             return self._id_array(block_ids, dense)
