@@ -129,14 +129,26 @@ class SessionBlocks:
         return self.blocks.nbytes
 
     def record(
-        self, session: str, block_ids: Sequence[int], num_prompt_tokens: int, request_id: str = ""
+        self,
+        session: str,
+        block_ids: Sequence[int],
+        num_prompt_tokens: int,
+        request_id: str = "",
+        handed_from: int | None = None,
     ) -> None:
         """The session's latest request (``request_id``) now holds exactly ``block_ids``. A
         request that only grew since it was last recorded (still running: none of its blocks can
         have been reused) costs only its new blocks. ``HOLE`` marks an index without a block;
         where the same running request held one there before, the record keeps it (see the
-        module's docstring)."""
+        module's docstring).
+
+        ``handed_from``: the entries from there on are blocks the pool has just handed out for
+        new content, not unbound yet (a new prompt's blocks after its hit): unbound and held
+        here, as ``unbind`` then ``record`` would, without reading what they held before."""
         ids = self._as_ids(block_ids)
+        fresh = len(ids) if handed_from is None else handed_from
+        if fresh < len(ids):
+            self.blocks.renew(ids[fresh:])
         old = self.latest.get(session)
         running = old is not None and old.request_id is not None and old.request_id == request_id
         if running and not self._dense and (ids == HOLE).any():
@@ -146,16 +158,16 @@ class SessionBlocks:
             running
             and old is not None
             and old.held == len(old.block_ids)
-            and len(ids) >= old.held
+            and fresh >= old.held
             and np.array_equal(np.frombuffer(old.block_ids, np.int32), ids[: old.held])
         ):
-            self._hold(session, old, ids[old.held :])
+            self._hold(session, old, ids[old.held :], fresh_from=fresh - old.held)
             old.num_prompt_tokens = num_prompt_tokens
             self.latest.move_to_end(session)
             return
         if old is None:
             new = SessionRecord(request_id, array("i"), array("I"), num_prompt_tokens)
-            self._hold(session, new, ids)
+            self._hold(session, new, ids, fresh_from=fresh)
             self.latest[session] = new
             while len(self.latest) > self._max_sessions:
                 _, evicted = self.latest.popitem(last=False)
@@ -166,21 +178,24 @@ class SessionBlocks:
         # the last one stays as it is (counts unchanged), the rest is let go of, then the new
         # blocks held (in either order a block in both ends with the same count)
         now = self._generations_of(ids)  # for the comparison and the hold alike
-        kept = self._carried_over(old, ids, now)
+        kept = self._carried_over(old, ids, now, fresh)
         self._let_go(old, kept, answer=False)
         del old.block_ids[kept:], old.generations[kept:]
         old.request_id, old.num_prompt_tokens, old.own_end = (
             request_id, num_prompt_tokens, sys.maxsize,
         )  # fmt: skip
-        self._hold(session, old, ids[kept:], now[kept:])
+        self._hold(session, old, ids[kept:], now[kept:], fresh_from=fresh - kept)
         self.latest.move_to_end(session)
 
-    def _carried_over(self, old: SessionRecord, ids: np.ndarray, now: np.ndarray) -> int:
+    def _carried_over(
+        self, old: SessionRecord, ids: np.ndarray, now: np.ndarray, fresh: int
+    ) -> int:
         """How many leading entries of ``old`` the new record holds as they are: the same block
         at each index, its content unchanged since ``old`` recorded it (``now``: the
-        generations of ``ids``). A session's next request mostly starts with its last one's
-        blocks: found by comparing arrays, not by letting go of and holding again every block."""
-        n = min(old.held, len(ids))
+        generations of ``ids``; none from ``fresh`` on, new content). A session's next request
+        mostly starts with its last one's blocks: found by comparing arrays, not by letting go
+        of and holding again every block."""
+        n = min(old.held, fresh)
         if n == 0 or old.block_ids[0] != ids[0]:
             return 0
         # one pass over both: the first index whose block or its generation differs
@@ -190,13 +205,21 @@ class SessionBlocks:
         return first if differ[first] else n
 
     def grow(
-        self, session: str, request_id: str, held: int, new_ids: Sequence[int], prompt: int
+        self,
+        session: str,
+        request_id: str,
+        held: int,
+        new_ids: Sequence[int],
+        prompt: int,
+        handed: bool = False,
     ) -> bool:
         """The running request ``request_id``, recorded with ``held`` blocks, got ``new_ids``
         after them: recorded at the cost of the new blocks alone. Earlier entries are kept as
         they are: a running request's earlier blocks only ever drop out of a sliding window,
         where the record keeps them anyway (see ``record``). False (nothing changes) when the
-        session's latest record is not that request's, as recorded: call ``record``."""
+        session's latest record is not that request's, as recorded: call ``record``.
+        ``handed``: ``new_ids`` were just handed out, not unbound yet (``record``'s
+        ``handed_from``): unbound and held here, if True is returned."""
         old = self.latest.get(session)
         if (
             old is None
@@ -206,7 +229,11 @@ class SessionBlocks:
             or len(old.block_ids) != held
         ):
             return False
-        if isinstance(new_ids, list) and len(new_ids) <= self.few:
+        if handed:
+            ids = self._as_ids(new_ids)
+            self.blocks.renew(ids)
+            self._hold(session, old, ids, fresh_from=0)
+        elif isinstance(new_ids, list) and len(new_ids) <= self.few:
             self._hold(session, old, self._fitted(new_ids))
         else:
             self._hold(session, old, self._as_ids(new_ids))
@@ -219,7 +246,7 @@ class SessionBlocks:
         with that block."""
         merged = ids.copy()
         n = min(old.held, len(merged))
-        before = np.frombuffer(old.block_ids, np.int32)[:n]
+        before = np.frombuffer(old.block_ids, np.int32)[:n].astype(np.intp)
         dropped = (merged[:n] == HOLE) & (before != HOLE)
         dropped &= self._generations_of(before) == np.frombuffer(old.generations, np.uint32)[:n]
         merged[:n][dropped] = before[dropped]
@@ -389,9 +416,9 @@ class SessionBlocks:
         return now
 
     def _live(self, record: SessionRecord, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """The record's ids in ``[start, end)`` (a copy) and which of them still hold the
-        content it recorded."""
-        ids = np.frombuffer(record.block_ids, np.int32)[start:end].copy()
+        """The record's ids in ``[start, end)`` (an index array, ``id_array``) and which of
+        them still hold the content it recorded."""
+        ids = np.frombuffer(record.block_ids, np.int32)[start:end].astype(np.intp)
         recorded = np.frombuffer(record.generations, np.uint32)[start:end]
         if self._dense:
             return ids, self._generations_of(ids) == recorded
@@ -441,33 +468,46 @@ class SessionBlocks:
         record: SessionRecord,
         ids: np.ndarray | list[int],
         generations: np.ndarray | None = None,
+        fresh_from: int | None = None,
     ) -> None:
         """The record holds ``ids`` after its entries (``generations``: theirs now, if read
-        already)."""
+        already). ``fresh_from``: from there on they are renewed blocks (``BlockStates.renew``)
+        no record holds: their state is written, not read (never a hole)."""
         owner = self._owner(session)
         if isinstance(ids, list):
             self._hold_few(owner, record, ids)
-        elif ids.size <= self.few:  # a decode step's block: a few Python steps beat numpy's set-up
-            self._hold_few(owner, record, ids.tolist())
+        elif ids.size <= self.few and fresh_from is None:  # a decode step's block: a few
+            self._hold_few(owner, record, ids.tolist())  # Python steps beat numpy's set-up
         else:
             views = self._v
-            holes = not self._dense and bool(ids.min() < 0)
             if generations is None:
                 generations = views.generation[ids]  # 0 at a hole (``_generations_of``)
             record.block_ids.frombytes(ids.astype(np.int32, copy=False).tobytes())
             record.generations.frombytes(generations.tobytes())
-            held = ids[ids != HOLE] if holes else ids
-            was = views.first_holder[held]
-            if (was == NOBODY).all():  # new content, the usual case: no one else held it
-                views.holders[held] = 1  # no first holder: no holder (a stale count)
-                views.first_holder[held] = owner
-            else:
-                fresh = was == NOBODY
-                views.holders[held[~fresh]] += 1  # a request names a block once
-                views.holders[held[fresh]] = 1
-                views.first_holder[held[fresh]] = owner
-                views.first_holder[held[~fresh & (was != owner)]] = SHARED
+            if fresh_from is not None and fresh_from < ids.size:
+                handed = ids[fresh_from:]
+                views.holders[handed] = 1
+                views.first_holder[handed] = owner
+                ids = ids[:fresh_from]
+            if ids.size:
+                self._count_holds(owner, ids)
         record.held = len(record.block_ids)
+
+    def _count_holds(self, owner: int, ids: np.ndarray) -> None:
+        """One more record (of ``owner``) holds each of ``ids``' blocks (holes skipped)."""
+        views = self._v
+        holes = not self._dense and bool(ids.min() < 0)
+        held = ids[ids != HOLE] if holes else ids
+        was = views.first_holder[held]
+        if (was == NOBODY).all():  # new content, the usual case: no one else held it
+            views.holders[held] = 1  # no first holder: no holder (a stale count)
+            views.first_holder[held] = owner
+        else:
+            fresh = was == NOBODY
+            views.holders[held[~fresh]] += 1  # a request names a block once
+            views.holders[held[fresh]] = 1
+            views.first_holder[held[fresh]] = owner
+            views.first_holder[held[~fresh & (was != owner)]] = SHARED
 
     def _hold_few(self, owner: int, record: SessionRecord, ids: list[int]) -> None:
         """``_hold`` block by block."""

@@ -172,7 +172,6 @@ def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         state.steps += 1
         start = perf_counter_ns()
         bind_step(state, instance.requests, output)
-        state.end_step()
         state.engine_ns += perf_counter_ns() - start
     return output
 
@@ -180,30 +179,37 @@ def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
     """Bind what a scheduler step's output (vLLM's ``SchedulerOutput``) gives each request of
     a session: a new or resumed request's whole block lists, a running request's new blocks.
-    A decode step that gave no request a block costs a count of its ``None`` entries."""
+    Every request is taken before any is bound (``PoolAffinity.take_scheduled``). A decode
+    step that gave no request a block costs a count of its ``None`` entries."""
+    binds = []
     for new in output.scheduled_new_reqs:
         request = requests.get(new.req_id)
         session = session_of(request) if request is not None else None
         if session:
-            state.bind_scheduled(
-                session, new.req_id, new.block_ids, request.num_prompt_tokens, appended=False
+            binds.append(
+                state.take_scheduled(
+                    session, new.req_id, new.block_ids, request.num_prompt_tokens, appended=False
+                )
             )
     cached = output.scheduled_cached_reqs
     new_block_ids = cached.new_block_ids
-    if new_block_ids.count(None) == len(new_block_ids):
-        return  # a decode step that gave no running request a block (most): one C-level count
-    resumed = cached.resumed_req_ids
-    for req_id, block_ids in zip(cached.req_ids, new_block_ids, strict=True):
-        if block_ids is None:
-            continue
-        request = requests.get(req_id)
-        session = session_of(request) if request is not None else None
-        if session:
-            state.bind_scheduled(
-                session, req_id, block_ids, request.num_prompt_tokens,
-                appended=req_id not in resumed,
-                decoded=request.num_computed_tokens - request.num_prompt_tokens,
-            )  # fmt: skip
+    if new_block_ids.count(None) != len(new_block_ids):  # else a decode step (most): no block
+        resumed = cached.resumed_req_ids
+        for req_id, block_ids in zip(cached.req_ids, new_block_ids, strict=True):
+            if block_ids is None:
+                continue
+            request = requests.get(req_id)
+            session = session_of(request) if request is not None else None
+            if session:
+                binds.append(
+                    state.take_scheduled(
+                        session, req_id, block_ids, request.num_prompt_tokens,
+                        appended=req_id not in resumed,
+                        decoded=request.num_computed_tokens - request.num_prompt_tokens,
+                    )
+                )  # fmt: skip
+    if binds:
+        state.bind_taken(binds)
 
 
 def _engine_state(engine_core: Any) -> PoolAffinity:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
@@ -135,11 +136,25 @@ class _Picks:
         return self.count - before
 
 
-#: At most this many allocations' ids kept for the step's output (``blocks_handed_out``).
-_MAX_FRESH = 1024
-#: Single blocks handed out that wait for the next read of the states at most (a server whose
-#: requests name no session reads none): then they are unbound at once.
+@dataclass(slots=True)
+class _StepBind:
+    """A request of a step's output, taken (``PoolAffinity.take_scheduled``) and not yet
+    bound: per group its block ids and where their waiting tail starts (``_step_ids``), or no
+    lists (``grown`` None) when its blocks are read from the manager at the bind."""
+
+    session: str
+    request_id: str
+    prompt: int
+    grown: list[np.ndarray | list[int]] | None
+    handed: list[int | None]
+    already: tuple[int, ...] | None
+
+
+#: Handouts that wait to be unbound (``blocks_handed_out``) at most, of one block and of many
+#: (a server whose requests name no session binds none and reads no state): then the states
+#: are settled at once.
 _MAX_HANDED_ONE = 1024
+_MAX_HANDED = 1024
 
 
 class PoolAffinity:
@@ -173,8 +188,10 @@ class PoolAffinity:
         self._side_heads: OrderedDict[str, int] = OrderedDict()
         self.groups: tuple[KVGroup, ...] = ()
         self._tables: tuple[SessionBlocks, ...] = ()
-        #: Single blocks handed out (a decode step's) not yet unbound (``_settle``).
+        #: Blocks handed out and not yet unbound (``_settle``): single ones (a decode step's),
+        #: and allocations of many by their last block id (bound from the step's output).
         self._handed_one: list[Any] = []
+        self._handed: dict[int, list[Any]] = {}
         # the picker is part of the session lifecycle: release-only mode is LRU's order; None:
         # ``auto``, on until the groups say the model is hybrid (``attach_groups``)
         self._picker = settings.predict_return if settings.lifecycle else False
@@ -194,8 +211,6 @@ class PoolAffinity:
         #: Running requests whose growth is bound at their free (``bind_scheduled``), or when
         #: a release of their session needs it (``_catch_up``).
         self._decoding: set[str] = set()
-        #: The step's allocations of many blocks, by last block id: (their ids, as an array).
-        self._fresh: dict[int, tuple[list[int], np.ndarray]] = {}
         #: A running request's blocks by request id (the ``KVCacheManager``'s coordinator's
         #: ``get_blocks``; set when the manager is built).
         self.request_blocks: Callable[[str], Sequence[list[Any]]] | None = None
@@ -229,7 +244,7 @@ class PoolAffinity:
     @property
     def tables(self) -> tuple[SessionBlocks, ...]:
         """One session table per group, the blocks handed out so far unbound in them."""
-        if self._handed_one:
+        if self._handed_one or self._handed:
             self._settle()
         return self._tables
 
@@ -237,15 +252,20 @@ class PoolAffinity:
     def block_states(self) -> BlockStates:
         """Who holds each block of the pool (every group's table's), the blocks handed out so
         far unbound."""
-        if self._handed_one:
+        if self._handed_one or self._handed:
             self._settle()
         return self._block_states
 
     def _settle(self) -> None:
-        """Unbind the single blocks handed out since the states were last read: a step's decode
-        blocks in one call, not a call per block (``blocks_handed_out``)."""
+        """Unbind the blocks handed out since the states were last read (``blocks_handed_out``):
+        a step's decode blocks in one call, not a call per block; an allocation of many that no
+        bind took (``_step_ids``) on its own."""
         handed, self._handed_one = self._handed_one, []
-        self._block_states.unbind([block.block_id for block in handed])
+        if handed:
+            self._block_states.unbind([block.block_id for block in handed])
+        many, self._handed = self._handed, {}
+        for blocks in many.values():
+            self._block_states.unbind([block.block_id for block in blocks])
 
     @property
     def sessions(self) -> SessionBlocks:
@@ -269,65 +289,103 @@ class PoolAffinity:
         (its prompt computed) leaves its growth to its free (``bind_request``: its last few
         blocks read once, not a bind per step that got one) while none of its blocks can have
         been dropped before then (``decode_bound_at_free``: a sliding window's drops are kept
-        in the record, so past that it binds every step again; a Mamba group's, always)."""
+        in the record, so past that it binds every step again; a Mamba group's, always).
+
+        A step's output of many requests: ``take_scheduled`` for each, then ``bind_taken``."""
+        self.bind_taken(
+            [self.take_scheduled(session, request_id, block_ids, prompt, appended, decoded)]
+        )
+
+    def take_scheduled(
+        self,
+        session: str,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        prompt: int,
+        appended: bool,
+        decoded: int = 0,
+    ) -> _StepBind | None:
+        """``bind_scheduled``'s first half, for one request of the step's output: its lists
+        converted, and their tails that wait to be unbound taken (``_step_ids``); None when
+        there is nothing to bind now. Every request of the step is taken before any is bound:
+        what no request took is then unbound at once, before the first record holds a block."""
         already = self._bound.get(request_id) if appended else None
         if appended:
             if already is None:
-                return  # never bound whole: bound when it frees its blocks
+                return None  # never bound whole: bound when it frees its blocks
             if decoded > 0 and decoded <= self._decode_at_free:
                 self._decoding.add(request_id)
-                return
+                return None
             if request_id in self._decoding:  # decoded past the bound: its growth so far, now
                 self._decoding.discard(request_id)
                 if self.request_blocks is not None:
-                    self.bind_request(session, request_id, self.request_blocks(request_id), prompt)
-                    return
-        grown = [self._step_ids(block_ids[index], dense) for index, dense in self._group_lists]
-        self._bind(session, request_id, grown, already, prompt, whole=None)
+                    return _StepBind(session, request_id, prompt, None, [], already)
+        grown, handed = zip(
+            *(self._step_ids(block_ids[index], dense) for index, dense in self._group_lists),
+            strict=True,
+        )
+        return _StepBind(session, request_id, prompt, list(grown), list(handed), already)
+
+    def bind_taken(self, binds: Sequence[_StepBind | None]) -> None:
+        """``bind_scheduled``'s second half: the taken requests' records, in order."""
+        for bind in binds:
+            if bind is None:
+                continue
+            if bind.grown is None:
+                assert self.request_blocks is not None
+                blocks = self.request_blocks(bind.request_id)
+                self.bind_request(bind.session, bind.request_id, blocks, bind.prompt)
+                continue
+            self._bind(
+                bind.session, bind.request_id, bind.grown, bind.already, bind.prompt, None,
+                bind.handed,
+            )  # fmt: skip
 
     def blocks_handed_out(self, blocks: Sequence[Any]) -> None:
         """vLLM's pool hands these blocks out for new content (``BlockPool.get_new_blocks``,
-        through the queue's pop: its handout hook): no record holds them any more. A running
-        request's are bound by the step's output right after (``bind_scheduled``): their ids,
-        converted here, are kept for it. A single block (a decode step's, mostly) waits to be
-        unbound with the others until the states are next read (``tables``, ``block_states``;
-        no record can hold it before then) or ``_MAX_HANDED_ONE`` wait (a server whose requests
-        name no session reads none)."""
-        if len(blocks) == 1 and len(self._handed_one) < _MAX_HANDED_ONE:
-            self._handed_one.append(blocks[0])
-            return
-        start = perf_counter_ns()  # ``block_states`` settles what waits, within the time
-        ids = [block.block_id for block in blocks]
-        if len(ids) <= FEW_BLOCKS:
-            self.block_states.unbind(ids)
-        else:
-            array = self.block_states.as_ids(ids)
-            self.block_states.unbind(array)
-            if len(self._fresh) >= _MAX_FRESH:  # a driver that binds no step output
-                self._fresh.clear()
-            self._fresh[ids[-1]] = (ids, array)
+        through the queue's pop: its handout hook): no record holds them any more. They wait
+        to be unbound until the states are next read (``tables``, ``block_states``: no record
+        can hold them before then), at most ``_MAX_HANDED_ONE`` single ones (a decode step's,
+        mostly: unbound in one call) and ``_MAX_HANDED`` of many (a server whose requests name
+        no session reads none). An allocation of many is mostly a request's that the step's
+        output binds right after: its tail is unbound and held there in one pass
+        (``_step_ids``, ``SessionBlocks.record``'s ``handed_from``)."""
+        if len(blocks) == 1:
+            if len(self._handed_one) < _MAX_HANDED_ONE:
+                self._handed_one.append(blocks[0])
+                return
+        elif len(blocks) > FEW_BLOCKS and len(self._handed) < _MAX_HANDED:
+            last = blocks[-1].block_id
+            earlier = self._handed.get(last)  # an allocation's, freed since: unbound now
+            self._handed[last] = list(blocks)
+            if earlier is None:
+                return
+            blocks = earlier
+        start = perf_counter_ns()
+        # no hold comes before the waiting ones are unbound: unbinds in any order, no settle
+        self._block_states.unbind([block.block_id for block in blocks])
+        if len(self._handed_one) >= _MAX_HANDED_ONE or len(self._handed) >= _MAX_HANDED:
+            self._settle()
         self.engine_ns += perf_counter_ns() - start
 
-    def _step_ids(self, block_ids: Sequence[int], dense: bool) -> np.ndarray | list[int]:
+    def _step_ids(
+        self, block_ids: Sequence[int], dense: bool
+    ) -> tuple[np.ndarray | list[int], int | None]:
         """A group's block list from the step's output (a new or resumed request's whole list,
-        a running one's new blocks), converted: its tail that the step handed out as
-        ``blocks_handed_out`` converted it (all of a chunk's new blocks, a new prompt's blocks
-        after its hit), only the rest converted now. New blocks are never the null block."""
-        kept = self._fresh.pop(block_ids[-1], None) if len(block_ids) > FEW_BLOCKS else None
-        if kept is None or block_ids[-len(kept[0]) :] != kept[0]:
-            return self._id_array(block_ids, dense)
-        head = len(block_ids) - len(kept[0])
-        if not head:
-            return kept[1]
-        ids = np.empty(len(block_ids), np.int32)
-        ids[:head] = self._id_array(block_ids[:head], dense)
-        ids[head:] = kept[1]
-        return ids
-
-    def end_step(self) -> None:
-        """The scheduler step's output is bound: what it handed out needs no ids kept."""
-        if self._fresh:
-            self._fresh.clear()
+        a running one's new blocks), converted, and where its tail that waits to be unbound
+        starts (``blocks_handed_out``: all of a chunk's new blocks, a new prompt's blocks after
+        its hit), if it has one; the bind unbinds it (``_bind``)."""
+        ids = self._id_array(block_ids, dense)
+        if not self._handed or len(block_ids) <= FEW_BLOCKS:
+            return ids, None
+        handed = self._handed.pop(block_ids[-1], None)
+        if handed is None:
+            return ids, None
+        head = len(block_ids) - len(handed)
+        if head < 0 or block_ids[head:] != [block.block_id for block in handed]:
+            self._handed[block_ids[-1]] = handed  # another list's: unbound with the rest
+            return ids, None
+        return ids, head
 
     def bind_request(
         self, session: str, request_id: str, blocks: Sequence[list[Any]], prompt: int
@@ -353,31 +411,46 @@ class PoolAffinity:
         already: tuple[int, ...] | None,
         prompt: int,
         whole: Sequence[list[Any]] | None,
+        handed: list[int | None] | None = None,
     ) -> None:
         """Each group's table records the request's ``grown`` blocks: its whole lists when
         ``already`` is None, else the blocks after the ``already`` bound. A running request's
         record that another request of the session replaced meanwhile is recorded again whole
-        (from ``whole``), or left to the bind before it frees its blocks."""
+        (from ``whole``), or left to the bind before it frees its blocks. ``handed``: per
+        group, where the tail that waits to be unbound starts (``_step_ids``), if any: unbound
+        here whatever happens."""
         lengths = []
+        handed = handed or [None] * len(grown)
         for position, (group, table) in enumerate(zip(self.groups, self.tables, strict=True)):
-            ids = grown[position]
+            ids, fresh = grown[position], handed[position]
             start = already[position] if already else 0
             lengths.append(start + len(ids))
             if self.queue.num_pending:  # live users again: not RELEASED when freed
                 self.queue.cancel_pending_many(ids if isinstance(ids, list) else ids.tolist())
             if not start:
-                table.record(session, ids, prompt, request_id)
-            elif not table.grow(session, request_id, start, ids, prompt):
-                if whole is None:
-                    self._bound.pop(request_id, None)  # bound whole before it frees its blocks
-                    return
-                every = self._ids(whole[group.index])
-                if self.queue.num_pending:  # recorded whole again: every block a live user's
-                    self.queue.cancel_pending_many(
-                        every if isinstance(every, list) else every.tolist()
-                    )
-                table.record(session, every, prompt, request_id)
+                table.record(session, ids, prompt, request_id, handed_from=fresh)
+                continue
+            if fresh:  # new blocks after others (not vLLM's): unbound before the grow
+                self._unbind_tail(ids, fresh)
+                fresh = None
+            if table.grow(session, request_id, start, ids, prompt, handed=fresh == 0):
+                continue
+            self._unbind_tail(ids, fresh)  # the grow held nothing: unbound all the same
+            if whole is None:
+                for later in range(position + 1, len(grown)):  # no record of theirs follows
+                    self._unbind_tail(grown[later], handed[later])
+                self._bound.pop(request_id, None)  # bound whole before it frees its blocks
+                return
+            every = self._ids(whole[group.index])
+            if self.queue.num_pending:  # recorded whole again: every block a live user's
+                self.queue.cancel_pending_many(every if isinstance(every, list) else every.tolist())
+            table.record(session, every, prompt, request_id)
         self._bound[request_id] = tuple(lengths)
+
+    def _unbind_tail(self, ids: np.ndarray | list[int], fresh: int | None) -> None:
+        """Unbind the blocks of ``ids`` from ``fresh`` on (a tail that waits, ``_step_ids``)."""
+        if fresh is not None:
+            self._block_states.unbind(ids[fresh:])
 
     def _ids(self, blocks: Sequence[Any]) -> np.ndarray | list[int]:
         """The blocks' ids, ``HOLE`` for the null block."""
