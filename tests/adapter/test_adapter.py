@@ -6,6 +6,7 @@ import functools
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from vllm_parts import (
 
 from vllm_affinity import compat
 from vllm_affinity.core import Segment, SegmentedFreeBlockQueue
+from vllm_affinity.core.block_states import FEW_BLOCKS
 from vllm_affinity.engine import apply_engine_patches
 
 apply_engine_patches()
@@ -398,6 +400,40 @@ def test_single_block_handouts_are_unbound_before_the_states_are_read() -> None:
         pool.free_blocks(pool.get_new_blocks(1))
         assert len(state._handed_one) <= 1024
     assert_no_leak(manager)
+
+
+def test_allocations_of_many_blocks_wait_for_their_bind_or_the_next_read() -> None:
+    """An allocation of many blocks waits to be unbound by the bind of the step's output that
+    holds it (``_step_ids``); one that no bind takes (a request with no session, here a bare
+    pop) is unbound when the states are next read, and at most 1,024 wait."""
+    manager = make_manager(64)  # 63 usable
+    a = make_request(tokens(0, 30), session="A")
+    run_prefill(manager, a)
+    manager.free(a)
+    state = state_of(manager)
+    state.predict_returns(False)  # LRU's order: no picker reads the states at a pop
+    pool = manager.block_pool
+    own = set(np.frombuffer(state.sessions.latest["A"].block_ids, np.int32).tolist())
+    taken = [block.block_id for block in pool.get_new_blocks(40)]  # FREE's 33, then A's 7
+    reused = [b for b in taken if b in own]
+    assert len(reused) == 7 and len(state._handed) == 1  # not unbound yet
+    assert [state.tables[0].holders(b) for b in reused] == [0] * 7
+    assert not state._handed
+    assert state.release("A", 0).block_released == 23
+    assert_no_leak(manager)
+    big = make_manager(30_000)
+    state, pool = state_of(big), big.block_pool
+    for _ in range(3):  # the same blocks again: the earlier allocation is unbound at once
+        pool.free_blocks(pool.get_new_blocks(FEW_BLOCKS + 1))
+        assert len(state._handed) == 1
+    held, waited = [], []
+    for _ in range(1100):
+        held.append(pool.get_new_blocks(FEW_BLOCKS + 1))
+        waited.append(len(state._handed))
+    assert max(waited) == 1024 and waited[-1] < 1024  # reached the bound, then settled
+    for blocks in held:
+        pool.free_blocks(blocks)
+    assert_no_leak(big)
 
 
 def test_unknown_session_and_record_mismatch() -> None:

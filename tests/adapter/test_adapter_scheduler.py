@@ -19,6 +19,7 @@ from vllm.v1.request import RequestStatus
 from vllm_parts import BLOCK, make_request, state_of, tokens
 
 from vllm_affinity.core import HOLE
+from vllm_affinity.core.block_states import FEW_BLOCKS
 from vllm_affinity.engine import apply_engine_patches
 from vllm_affinity.testing.scheduling import scheduler, step
 
@@ -53,6 +54,19 @@ def recorded(state: Any, session: str) -> list[int]:
     return np.frombuffer(state.sessions.latest[session].block_ids, np.int32).tolist()
 
 
+def watch_unbinds(states: Any) -> list[int]:
+    """How many blocks each of ``states``' unbinds takes from now on (appended as they come)."""
+    sizes: list[int] = []
+    unbind = states.unbind
+
+    def counted(block_ids: Any) -> None:
+        sizes.append(len(block_ids))
+        unbind(block_ids)
+
+    states.unbind = counted
+    return sizes
+
+
 def test_each_step_binds_what_it_hands_the_workers() -> None:
     """A prompt prefilled in chunks, then decoded past a block's end: after every prefill step
     the session's record is the request's block list, as the scheduler sees it; while it
@@ -82,9 +96,9 @@ def test_each_step_binds_what_it_hands_the_workers() -> None:
 
 def test_a_prompt_after_a_hit_is_bound_from_its_handout_and_its_hit() -> None:
     """A session's next prompt hits the last one's blocks and gets many new ones in one step:
-    its record is its whole block list, the hit converted at the bind and the new blocks as the
-    handout converted them, in every group (a sliding window's skipped blocks are holes); so
-    too a prompt with no hit, chunk after chunk."""
+    its record is its whole block list, the hit held as it is and the new blocks unbound and
+    held at the bind, in every group (a sliding window's skipped blocks are holes); so too a
+    prompt with no hit, chunk after chunk."""
     for config in (full_attention(256), sliding_beside_full(512, 4 * BLOCK)):
         engine = scheduler(config, max_num_seqs=4, max_num_batched_tokens=64 * BLOCK)
         state = state_of(engine.kv_cache_manager)
@@ -115,6 +129,31 @@ def test_a_prompt_after_a_hit_is_bound_from_its_handout_and_its_hit() -> None:
                 assert len(record) == len(ids)  # a window's dropped blocks stay in the record
                 assert all(i in (HOLE, r) for i, r in zip(ids, record, strict=True))
         assert len(record) == 100
+        assert not state.check(idle=False)
+
+
+def test_every_new_prompt_of_a_step_takes_its_own_handed_tail() -> None:
+    """Several new prompts scheduled in one step, each given many blocks: each one's are
+    unbound and held at its own bind (``record``'s ``handed_from``), not unbound beforehand
+    when another's bind reads the states; every record is its request's block list."""
+    for config in (full_attention(512), sliding_beside_full(1024, 4 * BLOCK)):
+        engine = scheduler(config, max_num_seqs=4, max_num_batched_tokens=256 * BLOCK)
+        state = state_of(engine.kv_cache_manager)
+        unbound = watch_unbinds(state.block_states)
+        requests = [
+            make_request(tokens(1000 * i, 40), session=f"S{i}", sampling_params=decoding(4))
+            for i in range(3)
+        ]
+        for request in requests:
+            engine.add_request(request)
+        step(engine)
+        assert not [n for n in unbound if n > FEW_BLOCKS], unbound
+        for i, request in enumerate(requests):
+            lists = engine.kv_cache_manager.get_block_ids(request.request_id)
+            for table, group in zip(state.tables, state.groups, strict=True):
+                ids = [HOLE if b == 0 else b for b in lists[group.index]]
+                assert len(ids) == 40
+                assert np.frombuffer(table.latest[f"S{i}"].block_ids, np.int32).tolist() == ids
         assert not state.check(idle=False)
 
 

@@ -113,8 +113,13 @@ class SessionMachine(RuleBasedStateMachine):
         self.first_holder: dict[tuple[int, int], str] = {}  # (block, generation) → session
         self.shared: set[tuple[int, int]] = set()  # held by a second session at some time
 
-    def _record(self, session: str, request: str, blocks: list[int]) -> None:
-        self.table.record(session, blocks, len(blocks) * 32, request)
+    def _record(
+        self, session: str, request: str, blocks: list[int], handed_from: int | None = None
+    ) -> None:
+        if handed_from is not None:  # the pool handed these out for new content just now
+            for b in blocks[handed_from:]:
+                self.generation[b] += 1
+        self.table.record(session, blocks, len(blocks) * 32, request, handed_from=handed_from)
         self.running.add(session)
         for b in blocks:
             if self.first_holder.setdefault((b, self.generation[b]), session) != session:
@@ -181,6 +186,48 @@ class SessionMachine(RuleBasedStateMachine):
         blocks = current[:keep] + [b for b in extra if b not in current[:keep]]
         if blocks:
             self._record(session, f"r{self.requests}", blocks)
+
+    def _free_blocks(self, data: st.DataObject, exclude: list[int]) -> list[int]:
+        """Blocks the pool could hand out now: none a running request holds."""
+        in_use = {b for s in self.running & set(self.model) for b, _ in self.model[s][1]}
+        free = [b for b in range(N_BLOCKS) if b not in in_use and b not in exclude]
+        return data.draw(st.lists(st.sampled_from(free), max_size=4, unique=True)) if free else []
+
+    @rule(data=st.data())
+    def next_request_with_a_handed_tail(self, data: st.DataObject) -> None:
+        """A session's next request: some of its last one's blocks, then blocks the pool has
+        just handed out for new content, unbound by the record itself (``handed_from``)."""
+        if not self.model:
+            return
+        session = data.draw(st.sampled_from(sorted(self.model)))
+        current = [b for b, _ in self.model[session][1]]
+        head = current[: data.draw(st.integers(0, len(current)))]
+        tail = self._free_blocks(data, head)
+        if head or tail:
+            self.requests += 1
+            self._record(session, f"r{self.requests}", head + tail, handed_from=len(head))
+
+    @rule(data=st.data())
+    def request_grows_by_handed_blocks(self, data: st.DataObject) -> None:
+        """A running request's chunk: blocks just handed out, unbound by the grow itself."""
+        running = sorted(self.running & set(self.model))
+        if not running:
+            return
+        session = data.draw(st.sampled_from(running))
+        request, pairs, held = self.model[session]
+        current = [b for b, _ in pairs]
+        grown = self._free_blocks(data, current)
+        if held != len(current) or not grown:
+            return
+        for b in grown:
+            self.generation[b] += 1
+        assert self.table.grow(session, request, held, grown, 32, handed=True)
+        for b in grown:
+            self.first_holder.setdefault((b, self.generation[b]), session)
+        self.model[session] = (request, pairs + [(b, self.generation[b]) for b in grown],
+                               held + len(grown))  # fmt: skip
+        self.order.remove(session)
+        self.order.append(session)
 
     @rule(data=st.data())
     def request_finishes(self, data: st.DataObject) -> None:
