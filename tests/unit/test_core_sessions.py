@@ -122,9 +122,12 @@ class SessionMachine(RuleBasedStateMachine):
         self.table.record(session, blocks, len(blocks) * 32, request, handed_from=handed_from)
         self.running.add(session)
         for b in blocks:
+            if b == HOLE:
+                continue
             if self.first_holder.setdefault((b, self.generation[b]), session) != session:
                 self.shared.add((b, self.generation[b]))
-        self.model[session] = (request, [(b, self.generation[b]) for b in blocks], len(blocks))
+        pairs = [(b, 0 if b == HOLE else self.generation[b]) for b in blocks]
+        self.model[session] = (request, pairs, len(blocks))
         if session in self.order:
             self.order.remove(session)
         self.order.append(session)
@@ -135,7 +138,7 @@ class SessionMachine(RuleBasedStateMachine):
         counts: dict[int, int] = {}
         for _, pairs, held in self.model.values():
             for block, generation in pairs[:held]:
-                if self.generation[block] == generation:
+                if block != HOLE and self.generation[block] == generation:
                     counts[block] = counts.get(block, 0) + 1
         return counts
 
@@ -230,6 +233,21 @@ class SessionMachine(RuleBasedStateMachine):
         self.order.append(session)
 
     @rule(data=st.data())
+    def next_request_with_its_window_moved(self, data: st.DataObject) -> None:
+        """A sliding window's next request: holes where the last one's window began (blocks
+        before its window), then the rest of the last one's blocks and some of its own."""
+        if not self.model:
+            return
+        session = data.draw(st.sampled_from(sorted(self.model)))
+        current = [b for b, _ in self.model[session][1]]
+        cut = data.draw(st.integers(0, len(current)))
+        extra = data.draw(st.lists(st.integers(0, N_BLOCKS - 1), max_size=3, unique=True))
+        blocks = [HOLE] * cut + current[cut:] + [b for b in extra if b not in current]
+        if blocks:
+            self.requests += 1
+            self._record(session, f"r{self.requests}", blocks)
+
+    @rule(data=st.data())
     def request_finishes(self, data: st.DataObject) -> None:
         """Finished, aborted or preempted: its blocks are freed and may be reused."""
         running = sorted(self.running & set(self.model))
@@ -266,7 +284,7 @@ class SessionMachine(RuleBasedStateMachine):
             assert selection.status == "unknown_session" and selection.block_ids == []
             return
         request, pairs, held = self.model[session]
-        dropped = [b for b, g in pairs[first:held] if self.generation[b] == g]
+        dropped = [b for b, g in pairs[first:held] if b != HOLE and self.generation[b] == g]
         self.model[session] = (request, pairs, min(held, first))
         after = self._holders()
         # released exactly the dropped blocks nobody else holds or ever held; the others kept

@@ -178,14 +178,51 @@ class SessionBlocks:
         # the last one stays as it is (counts unchanged), the rest is let go of, then the new
         # blocks held (in either order a block in both ends with the same count)
         now = self._generations_of(ids)  # for the comparison and the hold alike
-        kept = self._carried_over(old, ids, now, fresh)
-        self._let_go(old, kept, answer=False)
-        del old.block_ids[kept:], old.generations[kept:]
+        if self._dense:
+            kept = self._carried_over(old, ids, now, fresh)
+            self._let_go(old, kept, answer=False)
+            del old.block_ids[kept:], old.generations[kept:]
+            self._hold(session, old, ids[kept:], now[kept:], fresh_from=fresh - kept)
+        else:
+            self._replace_by_index(session, old, ids, now, fresh)
         old.request_id, old.num_prompt_tokens, old.own_end = (
             request_id, num_prompt_tokens, sys.maxsize,
         )  # fmt: skip
-        self._hold(session, old, ids[kept:], now[kept:], fresh_from=fresh - kept)
         self.latest.move_to_end(session)
+
+    def _replace_by_index(
+        self, session: str, old: SessionRecord, ids: np.ndarray, now: np.ndarray, fresh: int
+    ) -> None:
+        """``record``'s replacement in a table with holes, index by index rather than by prefix:
+        a sliding window moves on, so the new request has holes where the old one's window
+        began, and after them the blocks of the old window it still covers, which the record
+        holds as they are (not let go of and held again). ``now``: the generations of ``ids``;
+        from ``fresh`` on, renewed blocks."""
+        views = self._v
+        held = old.held
+        common = min(held, fresh)
+        before = np.frombuffer(old.block_ids, np.int32)[:held].astype(np.intp)
+        recorded = np.frombuffer(old.generations, np.uint32)[:held]
+        # the same block with the same content at an index (or a hole in both): unchanged
+        same = (before[:common] == ids[:common]) & (recorded[:common] == now[:common])
+        live = (before != HOLE) & (views.generation[before] == recorded)
+        live[:common] &= ~same
+        gone = before[live]
+        if gone.size:
+            views.holders[gone] -= 1
+        old.block_ids, old.generations = array("i"), array("I")
+        old.block_ids.frombytes(ids.astype(np.int32).tobytes())
+        old.generations.frombytes(now.tobytes())
+        old.held = len(ids)
+        owner = self._owner(session)
+        new = ids[:fresh] != HOLE
+        new[:common] &= ~same
+        if new.any():
+            self._count_holds(owner, ids[:fresh][new])
+        if fresh < len(ids):
+            handed = ids[fresh:]
+            views.holders[handed] = 1
+            views.first_holder[handed] = owner
 
     def _carried_over(
         self, old: SessionRecord, ids: np.ndarray, now: np.ndarray, fresh: int
@@ -490,14 +527,13 @@ class SessionBlocks:
                 views.first_holder[handed] = owner
                 ids = ids[:fresh_from]
             if ids.size:
-                self._count_holds(owner, ids)
+                holes = not self._dense and bool(ids.min() < 0)
+                self._count_holds(owner, ids[ids != HOLE] if holes else ids)
         record.held = len(record.block_ids)
 
-    def _count_holds(self, owner: int, ids: np.ndarray) -> None:
-        """One more record (of ``owner``) holds each of ``ids``' blocks (holes skipped)."""
+    def _count_holds(self, owner: int, held: np.ndarray) -> None:
+        """One more record (of ``owner``) holds each of the blocks ``held`` (no hole)."""
         views = self._v
-        holes = not self._dense and bool(ids.min() < 0)
-        held = ids[ids != HOLE] if holes else ids
         was = views.first_holder[held]
         if (was == NOBODY).all():  # new content, the usual case: no one else held it
             views.holders[held] = 1  # no first holder: no holder (a stale count)
