@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jiuwen_hooks
 from benchmarks.hybrid_models import (
     call,
     grow_then_compact,
     hybrid_vllm,
+    instruction_tokens,
     rendered,
     system_prompt,
     text,
@@ -87,11 +88,13 @@ def measure_side(arch: str, side: str, interval: int) -> list[dict[str, Any]]:
                     "path": path,
                     "compaction_hit": start.cached,
                     "kept": compaction.kept_tokens,
-                    "second_hit": second[0],
-                    "second_shared": second[1],
-                    **(subagents(server, lead, seed) if path == "headers" else {}),
+                    "second_hit": second.hit,
+                    "second_shared": second.shared,
                 }
             )
+            if path == "headers":
+                child = subagents(server, lead, seed)
+                rows[-1].update(subagent_hit=child.hit, subagent_shared=child.shared)
         cached = None
         if server.plugin:
             segments = server.engine_stats()["segments"]
@@ -101,12 +104,20 @@ def measure_side(arch: str, side: str, interval: int) -> list[dict[str, Any]]:
     return rows
 
 
+class FirstCall(NamedTuple):
+    """A later session's or subagent's first call: its hit, the tokens its prompt shares with
+    the earlier one's, and of those its instructions' (where the checkpoint lies)."""
+
+    hit: int
+    shared: int
+    instructions: int
+
+
 def second_session(
     server: Any, seed: int, headers: list[dict[str, str] | None], pairs: int = SYSTEM_PAIRS
-) -> tuple[int, int]:
+) -> FirstCall:
     """Two new sessions with the same new instructions, one call each (``None``: through the
-    hook, a session of its own): the second one's hit, and the tokens it shares with the first
-    one's prompt."""
+    hook, a session of its own): the second one's first call."""
     system = {"role": "system", "content": system_prompt(seed + 300, pairs)}
     windows = [
         [system, {"role": "user", "content": f"Task {n}: " + text(seed + 500 + n, 30)}]
@@ -119,12 +130,12 @@ def second_session(
                 hit = call(server, window).cached
         else:
             hit = call(server, window, names).cached
-    return hit, shared(server, *windows)
+    return FirstCall(hit, shared(server, *windows), instruction_tokens(server, system))
 
 
-def subagents(server: Any, lead: str, seed: int, pairs: int = 400) -> dict[str, int]:
+def subagents(server: Any, lead: str, seed: int, pairs: int = 400) -> FirstCall:
     """Two subagents of ``lead`` (Claude Code's headers) with the same instructions of their
-    own: the second one's first call against the tokens it shares with the first's."""
+    own: the second one's first call."""
     system = {"role": "system", "content": "You are a search subagent. " + text(seed + 900, pairs)}
     windows = [
         [system, {"role": "user", "content": f"Task {n}: " + text(seed + 900 + n, 40)}]
@@ -133,7 +144,7 @@ def subagents(server: Any, lead: str, seed: int, pairs: int = 400) -> dict[str, 
     for n, window in enumerate(windows, 1):
         headers = {CLAUDE_CODE_SESSION_HEADER: lead, CLAUDE_CODE_AGENT_HEADER: f"sub-{n}"}
         hit = call(server, window, headers).cached
-    return {"subagent_hit": hit, "subagent_shared": shared(server, *windows)}
+    return FirstCall(hit, shared(server, *windows), instruction_tokens(server, system))
 
 
 def share(hit: int | None, of: int | None) -> str:

@@ -93,6 +93,17 @@ def rendered(server: VLLMServer, messages: list[dict[str, Any]]) -> list[int]:
     return response.json()["tokens"]
 
 
+def instruction_tokens(server: VLLMServer, system: dict[str, Any]) -> int:
+    """The leading tokens every conversation that opens with ``system`` starts with: what two
+    renders with different one-word user messages share. A hybrid model's hit on them ends at
+    this length aligned down (the plugin's instructions' checkpoint), however much more of
+    the next message two windows happen to share."""
+    first, second = (
+        rendered(server, [system, {"role": "user", "content": word}]) for word in ("Alpha", "Omega")
+    )
+    return common_prefix_length(first, second)
+
+
 @dataclass
 class Compaction:
     calls: list[Call]  # four turns, the compaction, the next turn

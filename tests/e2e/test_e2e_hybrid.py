@@ -30,6 +30,7 @@ from benchmarks.hybrid_models import (
     groups,
     grow_then_compact,
     hybrid_vllm,
+    instruction_tokens,
     released_per_group,
     rendered,
     stale_blocks,
@@ -303,21 +304,18 @@ def test_first_calls_hit_the_instructions_an_earlier_one_sent(
     granularity = max(g["block_size"] for g in server.engine_stats()["groups"])
     if through == "hook":
         jiuwen_hook_factory(in_request=True)
-        hit, shared = second_session(server, 2 * server.port, [None, None], pairs=150)
+        firsts = [second_session(server, 2 * server.port, [None, None], pairs=150)]
     else:
         names = [{CLAUDE_CODE_SESSION_HEADER: f"new-{n}-{server.port}"} for n in (1, 2)]
-        hit, shared = second_session(server, 2 * server.port + 1, names, pairs=150)
+        firsts = [second_session(server, 2 * server.port + 1, names, pairs=150)]
         lead = f"lead-{server.port}"
         call(server, [{"role": "user", "content": text(3, 20)}], {CLAUDE_CODE_SESSION_HEADER: lead})
-        children = subagents(server, lead, server.port, pairs=150)
-        expected = children["subagent_shared"] // granularity * granularity
-        if children["subagent_hit"] != expected:  # seen once in CI: say what the engine did
-            stats = server.engine_stats()
-            counters = {
-                k: v for k, v in stats.items() if k.startswith(("block", "checkpoint", "release"))
-            }
-            pytest.fail(f"{children}, granularity {granularity}, engine counters {counters}")
-    assert shared > 2 * granularity and hit == shared // granularity * granularity, (hit, shared)
+        firsts.append(subagents(server, lead, server.port, pairs=150))
+    for first in firsts:
+        # the hit ends at the instructions' end, aligned down: not at what the two windows
+        # share (a few tokens of "Task n" more), which one port in twelve aligns a block later
+        assert first.shared >= first.instructions > 2 * granularity, first
+        assert first.hit == first.instructions // granularity * granularity, (first, granularity)
     assert server.engine_stats()["checkpoints_marked"] >= 1
 
 
@@ -350,8 +348,7 @@ def test_the_messages_api_keeps_the_instructions_checkpoint_too(
         [{"role": "system", "content": system}, {"role": "user", "content": t}] for t in tasks
     ]
     shared = common_prefix_length(*(rendered(server, w) for w in windows))
+    instructions = instruction_tokens(server, windows[0][0])
     assert hits[0] <= 2 * 32, hits  # the first: a chat template's opening at most
-    assert shared > 2 * granularity and hits[1] == shared // granularity * granularity, (
-        hits,
-        shared,
-    )
+    assert shared >= instructions > 2 * granularity, (shared, instructions)
+    assert hits[1] == instructions // granularity * granularity, (hits, instructions)
