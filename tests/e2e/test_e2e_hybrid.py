@@ -287,6 +287,16 @@ def test_a_compaction_told_from_claude_codes_header_releases_every_group(
     assert_every_group_released(server, grow_then_compact(server, seed=2, headers=headers))
 
 
+def hit_between(hit: int, instructions: int, shared: int, granularity: int) -> bool:
+    """A later first call's hit reaches the instructions' end aligned down (their checkpoint),
+    and no further than the tokens the two windows share aligned down. The two differ by a
+    block for one server port in about twelve (the windows share a few tokens of the next
+    message too); the hit then reaches the higher one only where the first call's prompt-end
+    state covers the gap (a short task after the instructions: CI saw both, 480 of 512 and
+    544 of 544 with instructions of 541)."""
+    return instructions // granularity * granularity <= hit <= shared // granularity * granularity
+
+
 @pytest.mark.parametrize("through", ["hook", "headers"])
 def test_first_calls_hit_the_instructions_an_earlier_one_sent(
     hybrid_server: VLLMServer,
@@ -312,10 +322,8 @@ def test_first_calls_hit_the_instructions_an_earlier_one_sent(
         call(server, [{"role": "user", "content": text(3, 20)}], {CLAUDE_CODE_SESSION_HEADER: lead})
         firsts.append(subagents(server, lead, server.port, pairs=150))
     for first in firsts:
-        # the hit ends at the instructions' end, aligned down: not at what the two windows
-        # share (a few tokens of "Task n" more), which one port in twelve aligns a block later
         assert first.shared >= first.instructions > 2 * granularity, first
-        assert first.hit == first.instructions // granularity * granularity, (first, granularity)
+        assert hit_between(first.hit, first.instructions, first.shared, granularity), first
     assert server.engine_stats()["checkpoints_marked"] >= 1
 
 
@@ -351,4 +359,4 @@ def test_the_messages_api_keeps_the_instructions_checkpoint_too(
     instructions = instruction_tokens(server, windows[0][0])
     assert hits[0] <= 2 * 32, hits  # the first: a chat template's opening at most
     assert shared >= instructions > 2 * granularity, (shared, instructions)
-    assert hits[1] == instructions // granularity * granularity, (hits, instructions)
+    assert hit_between(hits[1], instructions, shared, granularity), (hits, instructions, shared)
