@@ -382,7 +382,9 @@ class PoolAffinity:
         if handed is None:
             return ids, None
         head = len(block_ids) - len(handed)
-        if head < 0 or block_ids[head:] != [block.block_id for block in handed]:
+        # the last ids agree (the key); the first does too where the list ends with this
+        # allocation: a request's blocks are distinct, and an allocation is appended whole
+        if head < 0 or block_ids[head] != handed[0].block_id:
             self._handed[block_ids[-1]] = handed  # another list's: unbound with the rest
             return ids, None
         return ids, head
