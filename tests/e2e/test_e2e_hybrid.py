@@ -290,7 +290,7 @@ def test_a_compaction_told_from_claude_codes_header_releases_every_group(
 def hit_between(hit: int, instructions: int, shared: int, granularity: int) -> bool:
     """A later first call's hit reaches the instructions' end aligned down (their checkpoint),
     and no further than the tokens the two windows share aligned down. The two differ by a
-    block for one server port in about twelve (the windows share a few tokens of the next
+    block for about one server port in ten (the windows share a few tokens of the next
     message too); the hit then reaches the higher one only where the first call's prompt-end
     state covers the gap (a short task after the instructions: CI saw both, 480 of 512 and
     544 of 544 with instructions of 541)."""

@@ -235,14 +235,15 @@ class SessionBlocks:
         n = min(old.held, fresh)
         if n == 0 or old.block_ids[0] != ids[0]:
             return 0
-        # the first index whose block differs, then the first before it whose content does
-        for recorded, current in ((old.block_ids, ids), (old.generations, now)):
-            differ = np.frombuffer(recorded, current.dtype if current is now else np.int32)[:n]
-            differ = differ != current[:n]
-            first = int(differ.argmax())
-            if differ[first]:
-                n = first
-        return n
+        # the first index whose block differs (never 0: the first ids agree), then the first
+        # before it whose content does
+        differ = np.frombuffer(old.block_ids, np.int32)[:n] != ids[:n]
+        first = int(differ.argmax())
+        if differ[first]:
+            n = first
+        differ = np.frombuffer(old.generations, np.uint32)[:n] != now[:n]
+        first = int(differ.argmax())
+        return first if differ[first] else n
 
     def grow(
         self,
