@@ -248,6 +248,11 @@ class EngineStats(BaseModel):
     #: The predicted-return picker reorders LRU's live victims (``VLLM_AFFINITY_PREDICT_RETURN``
     #: with the lifecycle on); a replay's simulator models what the server runs.
     predict_return: bool = False
+    #: The plugin's failures inside the engine core, by path: each was caught, and vLLM went
+    #: on as if the plugin were absent there (``vllm_affinity/engine/fail_open.py``).
+    engine_errors: dict[str, int] = Field(default_factory=dict)
+    #: Request keys the API server sets whose value had the wrong type (ignored), by key.
+    malformed_args: dict[str, int] = Field(default_factory=dict)
 
     def counter(self, name: str) -> int:
         """A counter's value (0 until the engine counts it). An undeclared name raises: a typo

@@ -348,7 +348,7 @@ def scheduled(manager: Any, request: Any) -> int:
 
 
 def with_instructions(prompt: list[int], session: str, instructions: int | None) -> Any:
-    from vllm_affinity.engine.checkpoints import CHECKPOINT_KEY
+    from vllm_affinity.core.request_keys import CHECKPOINT_KEY
 
     extra = {CHECKPOINT_KEY: instructions} if instructions else None
     params = SamplingParams(max_tokens=4, extra_args=extra)

@@ -110,6 +110,18 @@ class _EngineCollector:
             "Session-block pairs held by the tracked sessions' latest requests",
             labels=["engine"],
         )
+        errors = CounterMetricFamily(
+            "vllm_affinity_engine_errors",
+            "Failures of the plugin inside the engine core, by path (each caught: vLLM went on "
+            "as if the plugin were absent for that request or step)",
+            labels=["path", "engine"],
+        )
+        malformed = CounterMetricFamily(
+            "vllm_affinity_engine_malformed_args",
+            "Request keys the plugin's API server sets that reached the engine with a value of "
+            "the wrong type (ignored), by key",
+            labels=["key", "engine"],
+        )
         for index, raw in enumerate(engines):
             engine, stats = str(index), EngineStats.model_validate(raw)
             for segment, count in stats.segments.model_dump().items():
@@ -129,6 +141,10 @@ class _EngineCollector:
             checkpoints.add_metric(
                 ["blocks_refreshed", engine], stats.counter("checkpoint_blocks_refreshed")
             )
+            for path, count in stats.engine_errors.items():
+                errors.add_metric([path, engine], count)
+            for key, count in stats.malformed_args.items():
+                malformed.add_metric([key, engine], count)
             for group in stats.groups:
                 labels = [str(group.group), group.kind]
                 group_blocks.add_metric([*labels, "released", engine], group.blocks_released)
@@ -152,6 +168,8 @@ class _EngineCollector:
         yield children
         yield sessions
         yield bindings
+        yield errors
+        yield malformed
 
 
 class AffinityMetrics:

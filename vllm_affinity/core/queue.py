@@ -141,6 +141,7 @@ class SegmentedFreeBlockQueue:
         self._pending: set[int] = set()
         self._picker: Picker | None = None
         self._on_handout: Callable[[list[Block]], None] | None = None
+        self._on_hook_error: Callable[[str, Exception], None] | None = None
         self.num_free_blocks = 0
         #: Released blocks handed out again (the point of releasing them).
         self.released_reused = 0
@@ -165,7 +166,10 @@ class SegmentedFreeBlockQueue:
         call, not a wrap of vLLM's method."""
         out = self._popleft_n(n)
         if self._on_handout is not None:
-            self._on_handout(out)
+            try:
+                self._on_handout(out)
+            except Exception as exc:  # the blocks are out of the queue all the same
+                self._hook_failed("handout", exc)
         return out
 
     def _popleft_n(self, n: int) -> list[Block]:
@@ -377,6 +381,17 @@ class SegmentedFreeBlockQueue:
         """Let ``picker`` choose the live (NORMAL) blocks a pop takes; ``None``: LRU's."""
         self._picker = picker
 
+    def set_on_hook_error(self, hook: Callable[[str, Exception], None] | None) -> None:
+        """Where a failure of the picker or the handout hook goes (``"picker"`` or
+        ``"handout"``, the exception): the pop goes on as if the hook were absent. ``None``:
+        the failure is raised (a bug the caller's tests must see)."""
+        self._on_hook_error = hook
+
+    def _hook_failed(self, hook: str, exc: Exception) -> None:
+        if self._on_hook_error is None:
+            raise exc
+        self._on_hook_error(hook, exc)
+
     def set_on_handout(self, hook: Callable[[list[Block]], None] | None) -> None:
         """Call ``hook`` with every pop's blocks, once they are out of the queue (the pool
         hands them out for new content); ``None``: no call."""
@@ -393,7 +408,11 @@ class SegmentedFreeBlockQueue:
         if take <= 0:
             return []
         assert self._picker is not None
-        lru, chosen = self._picker(take)
+        try:
+            lru, chosen = self._picker(take)
+        except Exception as exc:  # nothing moved yet: LRU's order takes the pop
+            self._hook_failed("picker", exc)
+            return []
         picked: list[Block] = []
         mark = self._mark
         for block in chosen[: take - min(lru, take)]:
@@ -534,6 +553,10 @@ class SegmentedFreeBlockQueue:
             self._pending.discard(block_id)
             return True
         return False
+
+    def pending_ids(self) -> list[int]:
+        """The blocks released while in use, that go to RELEASED when freed."""
+        return list(self._pending)
 
     def cancel_pending_many(self, block_ids: Iterable[int]) -> None:
         """``cancel_pending`` for each of ``block_ids``, in one set operation."""

@@ -20,7 +20,8 @@ from ..core.checkpoints import Checkpoints, checkpoint_position, instructions_en
 from ..core.counters import Counters
 from ..core.groups import KVGroup
 from ..core.queue import SegmentedFreeBlockQueue
-from ..core.request_keys import CHECKPOINT_KEY, DENSE_KINDS
+from ..core.request_keys import DENSE_KINDS
+from .request_view import keys_of
 
 
 def has_sparse_groups(groups: tuple[KVGroup, ...]) -> bool:
@@ -47,22 +48,21 @@ class InstructionCheckpoints:
     def on_lookup(self, coordinator: Any, request: Any, answer: tuple[Any, int, int]) -> Any:
         """vLLM's prefix lookup for ``request`` (blocks, computed tokens, junction), with the
         instructions' end as the junction where the request will compute across it."""
-        extra = getattr(request.sampling_params, "extra_args", None) or {}
-        instructions = extra.get(CHECKPOINT_KEY)
+        instructions = keys_of(request).checkpoint
         if not instructions:
             return answer
         blocks, computed, vllm_junction = answer
         alignment = coordinator.scheduler_block_size
         prompt = request.num_prompt_tokens
         span = self._state_span(coordinator)
-        position = checkpoint_position(int(instructions), alignment, computed, prompt, span)
+        position = checkpoint_position(instructions, alignment, computed, prompt, span)
         if position:
             if position > vllm_junction and not getattr(request, "_jiuwen_checkpoint", 0):
                 request._jiuwen_checkpoint = position  # counted once (a lookup may repeat)
                 self._counters.add("checkpoints_marked")
             self.known.forget(self._key(coordinator, request, position))  # being made now
             return blocks, computed, junction(vllm_junction, position)
-        position = instructions_end(int(instructions), alignment, span)
+        position = instructions_end(instructions, alignment, span)
         if 0 < position <= computed:
             self._keep_recent(coordinator, request, position)
         return answer
@@ -97,8 +97,10 @@ class InstructionCheckpoints:
 
     @staticmethod
     def _key(coordinator: Any, request: Any, position: int) -> Any:
-        """The checkpoint's key: the prompt's block hash at ``position`` (None: not hashed)."""
-        hash_blocks = position // coordinator.hash_block_size
+        """The checkpoint's key: the prompt's block hash at ``position`` (None: not hashed).
+        The hash block size is the pool's: every coordinator has one (a unitary one, for a
+        model whose every layer is a sliding window, keeps no copy of its own)."""
+        hash_blocks = position // coordinator.block_pool.hash_block_size
         if not 0 < hash_blocks <= len(request.block_hashes):
             return None
         return request.block_hashes[hash_blocks - 1]
@@ -106,10 +108,23 @@ class InstructionCheckpoints:
     def _find(self, coordinator: Any, request: Any, position: int) -> list[Any]:
         """The sparse groups' blocks that hold the state at ``position`` (vLLM's own per-group
         lookup); none when some group keeps no state there."""
-        hits, lengths = coordinator.find_longest_cache_hit_per_group(request.block_hashes, position)
+        hits, lengths = hits_per_group(coordinator, request.block_hashes, position)
         found: list[Any] = []
         for index in self._sparse:
             if lengths[index] != position:
                 return []
             found += [block for block in hits[index] if not block.is_null]
         return found
+
+
+def hits_per_group(
+    coordinator: Any, block_hashes: list[Any], length: int
+) -> tuple[tuple[list[Any], ...], tuple[int, ...]]:
+    """vLLM's longest hit of each group up to ``length`` tokens: a hybrid coordinator answers
+    per group; a unitary one (a single group, e.g. every layer a sliding window) has only its
+    one lookup, whose hit is its group's."""
+    per_group = getattr(coordinator, "find_longest_cache_hit_per_group", None)
+    if per_group is not None:
+        return per_group(block_hashes, length)  # type: ignore[no-any-return]
+    hits, hit_length = coordinator.find_longest_cache_hit(block_hashes, length)[:2]
+    return tuple(hits), (hit_length,) * len(hits)

@@ -45,6 +45,7 @@ from ..core.answer_chains import Answer, AnswerChains, ChainWindow
 from ..core.compaction import AgentWindow, CompactionRule, Window
 from ..core.groups import KVGroup, kind_of
 from ..settings import Settings
+from .fail_open import ERRORS, utility
 from .pool_affinity import PoolAffinity, affinity_of, session_of
 
 _applied = False
@@ -87,28 +88,42 @@ def describe_groups(coordinator: Any) -> tuple[KVGroup, ...]:
 
 
 # -- wrappers --------------------------------------------------------------------------------
+# Each runs vLLM's own method exactly once and guards its own part (``fail_open.py``): a failure
+# of the plugin is counted and logged, and vLLM's answer stands.
 
 
 def _make_block_pool_init(settings: Settings) -> Any:
     def _block_pool_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         wrapped(*args, **kwargs)
-        instance._jiuwen_affinity = PoolAffinity(instance, settings)
+        try:
+            instance._jiuwen_affinity = PoolAffinity(instance, settings)
+        except Exception as exc:  # the pool stays vLLM's (the queue works as its own)
+            ERRORS.caught("block_pool_init", exc)
 
     return _block_pool_init
 
 
 def _kv_cache_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
     """The manager's coordinator knows the model's KV-cache groups: every one is tracked (and
-    reported, prefix caching on or not)."""
+    reported, prefix caching on or not). A layout the plugin cannot read leaves the pool
+    vLLM's alone."""
     wrapped(*args, **kwargs)
     state = affinity_of(instance.block_pool)
     if state is None:
         return
-    state.request_blocks = instance.coordinator.get_blocks  # a decoding request's, on demand
-    groups = describe_groups(instance.coordinator)
+    try:
+        _attach_manager(state, instance)
+    except Exception as exc:
+        instance.block_pool._jiuwen_affinity = None  # half known is worse than unknown
+        ERRORS.caught("kv_cache_manager_init", exc)
+
+
+def _attach_manager(state: PoolAffinity, manager: Any) -> None:
+    state.request_blocks = manager.coordinator.get_blocks  # a decoding request's, on demand
+    groups = describe_groups(manager.coordinator)
     if groups:  # none: a model whose every group opts out of prefix caching (no KV to track)
         state.attach_groups(groups)
-    if not instance.enable_caching or not groups:
+    if not manager.enable_caching or not groups:
         # e.g. vLLM's CPU build turns prefix caching off for MLA models on CPUs without AMX
         logger.warning(
             "vllm_affinity: prefix caching is off on this engine: no prompt can hit a cached "
@@ -123,39 +138,58 @@ def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) ->
     state = affinity_of(instance.block_pool)
     if state is None or state.checkpoints is None:
         return answer
-    request = args[0] if args else kwargs["request"]
     start = perf_counter_ns()
     try:
+        request = args[0] if args else kwargs["request"]
         return state.checkpoints.on_lookup(instance.coordinator, request, answer)
+    except Exception as exc:
+        ERRORS.caught("get_computed_blocks", exc)
+        return answer
     finally:
         state.engine_ns += perf_counter_ns() - start
 
 
 def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    request = args[0] if args else kwargs["request"]
-    session = session_of(request)
-    state = affinity_of(instance.block_pool) if session else None
+    state = affinity_of(instance.block_pool)
     if state is None:
         return wrapped(*args, **kwargs)
     start = perf_counter_ns()
-    _bind(state, session, instance, request)  # the blocks as they are, before vLLM frees them
+    session = None
+    try:
+        request = args[0] if args else kwargs["request"]
+        session = session_of(request)
+        if session:
+            _bind(state, session, instance, request)  # the blocks as they are, before vLLM frees
+    except Exception as exc:
+        session = None
+        state.forget_bindings()  # what the tables knew of the request may be wrong now
+        ERRORS.caught("free", exc)
     state.engine_ns += perf_counter_ns() - start
     try:
         return wrapped(*args, **kwargs)
     finally:
-        start = perf_counter_ns()
-        state.request_done(session, request.request_id)
-        state.engine_ns += perf_counter_ns() - start
+        if session:
+            start = perf_counter_ns()
+            try:
+                state.request_done(session, request.request_id)
+            except Exception as exc:
+                state.forget_bindings()
+                ERRORS.caught("free", exc)
+            state.engine_ns += perf_counter_ns() - start
 
 
 def _make_add_request(settings: Settings) -> Any:
     def _add_request(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        request = args[0] if args else kwargs["request"]
         manager = getattr(instance, "kv_cache_manager", None)
         state = affinity_of(manager.block_pool) if manager is not None else None
-        if state is not None and request.request_id not in instance.requests:
+        if state is not None:
             start = perf_counter_ns()
-            state.on_new_request(request, settings.release_on_divergence)
+            try:
+                request = args[0] if args else kwargs["request"]
+                if request.request_id not in instance.requests:
+                    state.on_new_request(request, settings.release_on_divergence)
+            except Exception as exc:  # the request is served unhinted
+                ERRORS.caught("add_request", exc)
             state.engine_ns += perf_counter_ns() - start
         return wrapped(*args, **kwargs)
 
@@ -171,7 +205,11 @@ def _schedule(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     if state is not None:
         state.steps += 1
         start = perf_counter_ns()
-        bind_step(state, instance.requests, output)
+        try:
+            bind_step(state, instance.requests, output)
+        except Exception as exc:  # the step's blocks stay unbound: no session holds them
+            state.forget_bindings()
+            ERRORS.caught("schedule", exc)
         state.engine_ns += perf_counter_ns() - start
     return output
 
@@ -372,13 +410,17 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
     wrapt.wrap_function_wrapper(Scheduler, "schedule", _schedule)
-    EngineCore.affinity_release_prompt = affinity_release_prompt
-    EngineCore.affinity_restore_prompt = affinity_restore_prompt
-    EngineCore.affinity_session_idle = affinity_session_idle
-    EngineCore.affinity_stats = affinity_stats
-    EngineCore.affinity_check = affinity_check
-    EngineCore.affinity_classify_window = _make_classify_window(settings.max_sessions)
     chain_of, record_answer = _make_chain_utilities(settings.max_sessions)
-    EngineCore.affinity_chain_of = chain_of
-    EngineCore.affinity_record_answer = record_answer
+    utilities = {
+        "affinity_release_prompt": affinity_release_prompt,
+        "affinity_restore_prompt": affinity_restore_prompt,
+        "affinity_session_idle": affinity_session_idle,
+        "affinity_stats": affinity_stats,
+        "affinity_check": affinity_check,
+        "affinity_classify_window": _make_classify_window(settings.max_sessions),
+        "affinity_chain_of": chain_of,
+        "affinity_record_answer": record_answer,
+    }
+    for name, function in utilities.items():  # a failure is counted, then answered as one
+        setattr(EngineCore, name, utility()(function))
     _applied = True

@@ -46,16 +46,7 @@ from ..core.compaction import owner_of, retried_branch, settling_branch, side_br
 from ..core.counters import Counters
 from ..core.groups import KVGroup, decode_bound_at_free
 from ..core.idle_guard import IdleGuard
-from ..core.request_keys import (
-    DENSE_KINDS,
-    HEAD_KEY,
-    HINT_KEY,
-    NEXT_USE_KEY,
-    PARENT_KEY,
-    PRINCIPAL_KEY,
-    RETRY_KEY,
-    REWRITE_KEY,
-)
+from ..core.request_keys import DENSE_KINDS
 from ..core.returns import ReturnPredictor
 from ..core.sessions import FEW_BLOCKS
 from ..core.siblings import SiblingStarts
@@ -63,6 +54,8 @@ from ..core.subagents import FamilyChange, Subagents
 from ..core.tenants import scoped
 from ..settings import Settings
 from .checkpoints import InstructionCheckpoints, has_sparse_groups
+from .fail_open import ERRORS
+from .request_view import keys_of
 
 #: LRU victims the picker reads at a time (all a pop takes, mostly): who holds a block is asked
 #: of a chunk at once, at about the same cost for 1,024 as for 64.
@@ -215,6 +208,14 @@ class PoolAffinity:
         #: ``get_blocks``; set when the manager is built).
         self.request_blocks: Callable[[str], Sequence[list[Any]]] | None = None
         self.queue.set_on_handout(self.blocks_handed_out)  # vLLM's ``get_new_blocks``' pops
+        self.queue.set_on_hook_error(self._hook_failed)  # the pop goes on as LRU's
+
+    def _hook_failed(self, hook: str, exc: Exception) -> None:
+        """The picker or the handout hook failed inside vLLM's pop (``fail_open.py``): counted
+        and logged; a handout not unbound leaves the tables unsure of what blocks hold."""
+        if hook == "handout":
+            self.forget_bindings()
+        ERRORS.caught("handout" if hook == "handout" else "picker", exc)  # the two it names
 
     def attach_groups(self, groups: tuple[KVGroup, ...]) -> None:
         """The model's KV-cache groups that prefix caching covers (before any request)."""
@@ -225,12 +226,7 @@ class PoolAffinity:
         self._group_lists = [(g.index, g.kind in DENSE_KINDS) for g in groups]
         #: Tokens a request may decode with its growth bound at its free (``bind_scheduled``).
         self._decode_at_free = decode_bound_at_free(groups, DENSE_KINDS)
-        #: Per block of the pool, who holds its content: one for every group's table.
-        self._block_states = BlockStates(self.pool.num_gpu_blocks, fixed=True)
-        self._tables = tuple(
-            SessionBlocks(self._max_sessions, 0, g.kind in DENSE_KINDS, self._block_states)
-            for g in groups
-        )
+        self._new_tables()
         #: The instructions' checkpoints of a model with a sliding-window or Mamba group.
         self.checkpoints = (
             InstructionCheckpoints(self.queue, groups, self.counters, self._max_sessions)
@@ -240,6 +236,27 @@ class PoolAffinity:
         if self._picker is None and len(groups) > 1:
             self.predict_returns(False)  # ``auto`` on a hybrid model: LRU's order
         self._group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]
+
+    def _new_tables(self) -> None:
+        """Empty session tables, one per group, as at start-up."""
+        #: Per block of the pool, who holds its content: one for every group's table.
+        self._block_states = BlockStates(self.pool.num_gpu_blocks, fixed=True)
+        self._tables = tuple(
+            SessionBlocks(self._max_sessions, 0, g.kind in DENSE_KINDS, self._block_states)
+            for g in self.groups
+        )
+
+    def forget_bindings(self) -> None:
+        """After the plugin failed in a path that binds blocks (``fail_open.py``): every
+        session's record is dropped, as at start-up, and no release waits on a block in use,
+        so nothing the tables knew before the failure can release a live block. The queue's
+        order stays (vLLM's LRU order for every block freed from now on)."""
+        self.queue.cancel_pending_many(self.queue.pending_ids())
+        self._handed_one.clear()
+        self._handed.clear()
+        self._bound.clear()
+        self._decoding.clear()
+        self._new_tables()
 
     @property
     def tables(self) -> tuple[SessionBlocks, ...]:
@@ -857,35 +874,30 @@ class PoolAffinity:
         for guard in (self.idle_guard, self.wait_guard):
             if guard is not None:
                 guard.came_back(session, self.queue.cached_reused)
-        params = getattr(request, "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
+        keys = keys_of(request)
         if self.returns is not None:
-            hinted = extra.get(NEXT_USE_KEY)
-            self.returns.called(owner_of(session), None if hinted is None else float(hinted))
-        parent = extra.get(PARENT_KEY)
-        if parent:
-            parent = scoped(extra.get(PRINCIPAL_KEY) or "", parent)
+            self.returns.called(owner_of(session), keys.next_use)
+        parent = scoped(keys.principal or "", keys.parent) if keys.parent else None
         if parent or self.subagents.waiting(session):
-            head = int(extra.get(HEAD_KEY) or 0)
             family = None
             if parent and self.subagents.parent_of(session) is None:  # a child's first call
-                family = self._sibling_family(parent, head, request.block_hashes)
+                family = self._sibling_family(parent, keys.head, request.block_hashes)
                 self.siblings.observe(family, request.block_hashes)
-            self._apply_family(self.subagents.call(session, parent, head, family))
+            self._apply_family(self.subagents.call(session, parent, keys.head, family))
         if session == side_branch(owner_of(session)):
-            self._note_side_head(session, int(extra.get(HEAD_KEY) or 0))
+            self._note_side_head(session, keys.head)
             settling = settling_branch(owner_of(session))
             if settling in self.sessions.latest:
                 self._settle_side(settling, request.block_hashes)
         retried = retried_branch(session)
-        if RETRY_KEY in extra:
+        if keys.retry:
             for table in self.tables:  # the replaced window waits apart for the next one
                 table.move(session, retried)
-        elif retried in self.sessions.latest and REWRITE_KEY not in extra:
+        elif retried in self.sessions.latest and not keys.rewrite:
             self._settle_retry(retried, request.block_hashes)
-        if REWRITE_KEY in extra:
+        if keys.rewrite:
             self.release_rewritten(session, request.block_hashes)
-        elif HINT_KEY in extra:
+        elif keys.hint:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:
             self.release_divergent(session, request.block_hashes, "divergence")
@@ -1102,6 +1114,8 @@ class PoolAffinity:
             num_blocks=self.pool.num_gpu_blocks,
             groups=self.group_stats(),
             predict_return=self.returns is not None,
+            engine_errors=dict(ERRORS.counts),
+            malformed_args=dict(ERRORS.malformed),
             **{
                 **self.counters.as_dict(),
                 "engine_us": (self.engine_ns + self.queue.picker_ns) // 1000,
@@ -1153,8 +1167,7 @@ def session_of(request: Any) -> str | None:
         pass
     session = getattr(request, "session_id", None) or getattr(request, "cache_salt", None)
     if session:
-        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-        principal = extra.get(PRINCIPAL_KEY)
+        principal = keys_of(request).principal
         if principal:
             session = scoped(principal, session)
     request._jiuwen_session = session
