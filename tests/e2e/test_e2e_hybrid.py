@@ -121,10 +121,13 @@ def gpt_oss_pair() -> Iterator[tuple[VLLMServer, VLLMServer]]:
 
 @pytest.fixture(scope="module")
 def later_shapes() -> Iterator[dict[str, VLLMServer]]:
-    """Gemma 3's and Qwen3-Next's plugin servers, started side by side once the tight pair is
-    gone (two servers at a time, as the pair: each vLLM process tree holds a few GB; their
-    start-ups overlap instead of queueing)."""
-    servers = {arch: hybrid_vllm(arch, worker_in_engine=True) for arch in ("gemma3", "qwen3-next")}
+    """Gemma 3's, Qwen3-Next's and the every-layer-sliding (Mistral 7B v0.1-shaped) plugin
+    servers, started side by side once the tight pair is gone (each vLLM process tree holds a
+    few GB; their start-ups overlap instead of queueing)."""
+    servers = {
+        arch: hybrid_vllm(arch, worker_in_engine=True)
+        for arch in ("gemma3", "qwen3-next", "mistral")
+    }
     with ExitStack() as stack:
         for server in servers.values():
             stack.callback(server.stop)
@@ -132,7 +135,7 @@ def later_shapes() -> Iterator[dict[str, VLLMServer]]:
         yield servers
 
 
-@pytest.fixture(scope="module", params=["gpt-oss", "gemma3", "qwen3-next"])
+@pytest.fixture(scope="module", params=["gpt-oss", "gemma3", "qwen3-next", "mistral"])
 def hybrid_server(request: pytest.FixtureRequest) -> Iterator[VLLMServer]:
     """A plugin server of each hybrid shape in turn. gpt-oss's is the tight pair's plugin
     server once the pair's tests are done (one start-up less; a session's four turns fit its
@@ -157,6 +160,7 @@ def check_after(request: pytest.FixtureRequest) -> Iterator[Callable[[VLLMServer
     for server in servers:
         for engine in server.idle_check()["engines"]:
             assert engine["idle"] and not engine["problems"], engine["problems"]
+            assert not engine["engine_errors"], engine["engine_errors"]  # no path failed
 
 
 def turn(server: VLLMServer, session: str, messages: list[dict[str, Any]]) -> Call:
@@ -274,7 +278,7 @@ def test_a_compaction_through_the_hook_releases_every_group(
     hook = jiuwen_hook_factory(in_request=True)
     with jiuwen_hooks.session(f"hybrid-hook-{server.port}"):
         compaction = grow_then_compact(server, seed=1, flush=hook.flush)
-    assert len(compaction.groups) >= 2, compaction.groups
+    assert len(compaction.groups) >= (1 if "mistral" in server.model else 2), compaction.groups
     assert_every_group_released(server, compaction)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from vllm_affinity.core.answer_chains import (
     CHAIN_PREFIX,
+    NO_INSTRUCTIONS,
     PROBE_CHARS,
     PROBES,
     Answer,
@@ -15,6 +16,7 @@ from vllm_affinity.core.answer_chains import (
     ChainWindow,
     probes,
 )
+from vllm_affinity.core.compaction import CompactionRule, Window
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
@@ -207,9 +209,11 @@ def test_the_table_is_bounded() -> None:
     names = [chains.chain_of("p", window(user(f"task {n}")))[0] for n in range(3)]
     assert len(chains) == 2
     chains.record("p", names[0], Answer("forgotten chain"))  # its chain is gone: nothing kept
-    assert chains.chain_of("p", window(said("forgotten chain"), user("x")))[1] == "started"
+    forgotten = window(user("task 0"), said("forgotten chain"), user("x"))
+    assert chains.chain_of("p", forgotten)[1] == "started"
     for n in range(4):
         chains.record("p", names[2], Answer("", (f"id{n}",)))
+    # a call's id links even before any user message (vLLM's own, never an app's greeting)
     assert chains.chain_of("p", window(*called("id3"))) == (names[2], "continued")
     assert chains.chain_of("p", window(*called("id0")))[1] == "started"  # the oldest link out
 
@@ -241,3 +245,112 @@ def test_only_the_windows_leading_user_text_is_searched() -> None:
     padding = user("x " * SCAN_CHARS)
     assert chains.chain_of("p", window(user(stripped(SUMMARY)), padding))[0] == main
     assert chains.chain_of("p", window(padding, user(stripped(SUMMARY))))[1] == "started"
+
+
+def chat(messages: list[dict[str, Any]], tools: Any = None) -> ChainWindow:
+    """A chat UI's window: no system prompt, no tools (Open WebUI's and LibreChat's default)."""
+    return ChainWindow.of(messages, tools)
+
+
+def test_a_window_with_neither_tools_nor_a_leading_system_message_has_no_instructions() -> None:
+    for tools in (None, []):
+        assert chat([user("hi")], tools).instructions == NO_INSTRUCTIONS
+    assert chat([user("hi")], TOOLS).instructions != NO_INSTRUCTIONS
+    assert window(user("hi"), tools=None).instructions != NO_INSTRUCTIONS
+    developer = {"role": "developer", "content": "Be brief."}
+    assert chat([developer, user("hi")]).instructions != NO_INSTRUCTIONS
+
+
+def test_a_task_request_quoting_an_instruction_less_chat_starts_a_chain_of_its_own() -> None:
+    """Open WebUI's title and follow-up requests: one user message quoting the chat's last
+    messages, no system prompt, no tools, as the chat's own windows have none. Instructions
+    that are none tell no conversation from another: no stretch links such a window (linked,
+    it continued the chat and the compaction rule judged it a rewrite, releasing the live
+    chat). The chat goes on as one chain, each window an append."""
+    chains, rule = AnswerChains(), CompactionRule()
+    history = [user("Why does my parser fail on nested arrays?")]
+    main, outcome = chains.chain_of("p", chat(history))
+    assert outcome == "started" and rule.classify(main, Window.of(history, None)) == "first"
+    chains.record("p", main, Answer(SUMMARY))  # a long answer: stretches to find
+    history += [said(SUMMARY), user("Which file first?")]
+    assert chains.chain_of("p", chat(history)) == (main, "continued")
+    assert rule.classify(main, Window.of(history, None)) == "append"
+    quoted = "\n".join(f"{m['role'].upper()}: {m['content']}" for m in history[-2:])
+    task = user(f"### Task:\nA 3-5 word title.\n<chat_history>\n{quoted}\n</chat_history>")
+    for tools in (None, []):
+        chain, outcome = chains.chain_of("p", chat([task], tools))
+        assert outcome == "started" and chain != main
+    chains.record("p", main, Answer("parser.py, the tokenizer loop."))
+    history += [said("parser.py, the tokenizer loop."), user("Thanks.")]
+    assert chains.chain_of("p", chat(history)) == (main, "continued")
+    assert rule.classify(main, Window.of(history, None)) == "append"  # nothing of it released
+
+
+def test_another_chats_answer_pasted_into_an_instruction_less_chat_links_nothing() -> None:
+    """A user pastes an earlier chat's answer into a new chat of a chat UI (no system prompt,
+    no tools): a new chain, the earlier chat left whole. Under a system prompt the earlier
+    chat's instructions are the window's, and the paste still reads as its compaction."""
+    chains = AnswerChains()
+    earlier, _ = chains.chain_of("p", chat([user("Why does my parser fail?")]))
+    chains.record("p", earlier, Answer(SUMMARY))
+    pasted = user(f"A friend got this answer, is it right?\n{SUMMARY}")
+    chain, outcome = chains.chain_of("p", chat([pasted]))
+    assert outcome == "started" and chain != earlier
+    instructed, _ = chains.chain_of("p", window(user("Why does my parser fail?")))
+    chains.record("p", instructed, Answer(SUMMARY.upper()))
+    assert chains.chain_of("p", window(user(SUMMARY.upper()))) == (instructed, "continued")
+
+
+GREETING = "Hi! I am the shop's assistant. How can I help?"
+
+
+@pytest.mark.parametrize("instructed", [False, True], ids=["chat", "system-and-tools"])
+def test_a_greeting_that_opens_every_chat_links_none(instructed: bool) -> None:
+    """An app opens each chat with one model-written greeting: an assistant message before any
+    user message, the same in every user's chat. It answered nothing in these windows: it links
+    none (linked, every chat joined the chain that wrote it). Each chat is a chain of its own,
+    and its later windows continue it, linked by its own answers."""
+    lead, tools = ([SYSTEM], TOOLS) if instructed else ([], None)
+    chains = AnswerChains()
+    writer, _ = chains.chain_of("p", ChainWindow.of([*lead, user("Write a greeting.")], tools))
+    chains.record("p", writer, Answer(GREETING))
+    names: list[str] = []
+    for n in range(3):
+        first = [*lead, said(GREETING), user(f"My order {n} is late.")]
+        name, outcome = chains.chain_of("p", ChainWindow.of(first, tools))
+        assert outcome == "started" and name not in (writer, *names)
+        chains.record("p", name, Answer(f"Sorry: order {n} ships today."))
+        names.append(name)
+    for n, name in enumerate(names):
+        later = [*lead, said(GREETING), user(f"My order {n} is late."),
+                 said(f"Sorry: order {n} ships today."), user("Thanks.")]  # fmt: skip
+        assert chains.chain_of("p", ChainWindow.of(later, tools)) == (name, "continued")
+
+
+def test_two_users_with_the_same_first_message_and_the_same_answer_stay_apart() -> None:
+    """Two users of a chat app (the greeting, no system prompt, no tools) type the same first
+    message and get the same long answer: neither the greeting nor the answer both got links
+    them, nor do its stretches, nor does a task request quoting one's chat; each one's own next
+    answer links that user's chat alone."""
+    chains = AnswerChains()
+    writer, _ = chains.chain_of("p", chat([user("Write a greeting.")]))
+    chains.record("p", writer, Answer(GREETING))
+    opening = [said(GREETING), user("How do I return an item?")]
+    firsts = [chains.chain_of("p", chat(opening)) for _ in range(2)]
+    assert [o for _, o in firsts] == ["started", "started"]
+    assert len({writer, *(c for c, _ in firsts)}) == 3
+    for first, _ in firsts:
+        chains.record("p", first, Answer(SUMMARY))  # the same answer, to each
+    seconds = []
+    for n in range(2):
+        history = [*opening, said(SUMMARY), user(f"User {n}: and my order {n}?")]
+        chain, outcome = chains.chain_of("p", chat(history))
+        assert outcome == "started" and chain not in (writer, *(c for c, _ in firsts))
+        chains.record("p", chain, Answer(f"Order {n} ships today."))
+        seconds.append((chain, history))
+    assert seconds[0][0] != seconds[1][0]
+    for n, (chain, history) in enumerate(seconds):
+        later = [*history, said(f"Order {n} ships today."), user("Thanks.")]
+        assert chains.chain_of("p", chat(later)) == (chain, "continued")
+        quoted = user("Title this chat:\n" + "\n".join(str(m["content"]) for m in later))
+        assert chains.chain_of("p", chat([quoted]))[1] == "started"

@@ -24,7 +24,21 @@ and tools apart (what makes the guess safe):
   ``PROBE_CHARS`` characters spread over the answer's text, whitespace collapsed; two must
   be found (one for an answer too short for two) in the first ``SCAN_CHARS`` characters of the
   window's user messages (where a summary opens a compacted window), only one chain's answers
-  may match, and the chain's instructions must be the window's.
+  may match, and the chain's instructions must be the window's;
+- a window with **no instructions** (neither tools nor a leading system or developer message:
+  a chat UI's, by default) is linked by no stretch: equal instructions that are none tell no
+  conversation from another. Open WebUI's title, follow-up and tags requests quote the chat's
+  last messages (its latest answer among them) in one user message, with no system prompt, as
+  the chat's own windows have none: linked by the answer's stretches such a request continued
+  the chat, and the compaction rule judged it a rewrite that released the live chat. It starts
+  a chain of its own, as does a user's new chat that pastes another chat's answer. Such a
+  window is still linked by the answers it carries back (a chat goes on turn by turn); an
+  instruction-less agent's compaction starts a new chain (what it would have released stays
+  cached, as on vanilla);
+- an assistant message **before any user message** (an app's greeting, model-written once and
+  then the same in every user's chat) answered nothing in the window: its text links nothing
+  (its tool calls' ids still do, being vLLM's own). Linked by it, every chat opening with it
+  would join the chain that wrote it, and so each other; each chat is linked by its own answers.
 
 A chain's request whose answer never came back and whose last user message the next window
 dropped was a side request (Qwen Code's next-prompt suggestion: the conversation and one fixed
@@ -64,6 +78,9 @@ MAX_SIDE_PROMPTS = 64
 _AMBIGUOUS = ""
 #: Prefix of a chain's name: a header value cannot hold it, so no client names a chain.
 CHAIN_PREFIX = "\x1eanswers-"
+#: The instructions of a window with neither tools nor a leading system or developer message:
+#: every such window has them, so they tell no conversation from another (no stretch links it).
+NO_INSTRUCTIONS = ""
 
 #: ``started``: a new chain; ``continued``: the chain's next window; ``side``: a side request of
 #: the chain (other instructions, or a learned side prompt).
@@ -158,9 +175,9 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class ChainWindow:
-    """What linking reads of a window: its instructions' digest, the links of each of its
-    assistant messages (in order), its user messages' texts, and whether its last message is
-    a user message."""
+    """What linking reads of a window: its instructions' digest (``NO_INSTRUCTIONS`` when it
+    has none), the links of each of its assistant messages (in order; an opening one's text
+    left out), its user messages' texts, and whether its last message is a user message."""
 
     instructions: str
     answers: tuple[tuple[str, ...], ...]
@@ -174,7 +191,11 @@ class ChainWindow:
         while head < len(messages) and messages[head].get("role") in ("system", "developer"):
             head += 1
         leading = [text_of(m.get("content")) for m in messages[:head]]
-        instructions = _digest(json.dumps([tools, leading], sort_keys=True, default=str))
+        instructions = (
+            _digest(json.dumps([tools, leading], sort_keys=True, default=str))
+            if tools or leading
+            else NO_INSTRUCTIONS
+        )
         answers: list[tuple[str, ...]] = []
         user_texts: list[str] = []
         for message in messages[head:]:
@@ -183,7 +204,10 @@ class ChainWindow:
                 calls = message.get("tool_calls") or ()
                 ids = [c.get("id") for c in calls if isinstance(c, Mapping)]
                 links = [id_link(i) for i in ids if isinstance(i, str) and i]
-                text = text_link(text_of(message.get("content")))
+                # text before any user message (an app's greeting, the same in every chat)
+                # answered nothing in this window: it links nothing (a call's id is vLLM's own)
+                opening = not user_texts
+                text = None if opening else text_link(text_of(message.get("content")))
                 answers.append(tuple([*links, text] if text else links))
             elif role == "user":
                 user_texts.append(text_of(message.get("content")))
@@ -289,7 +313,7 @@ class AnswerChains:
     def _by_stretch(self, principal: str, window: ChainWindow) -> str | None:
         recent = self._recent.get(principal)
         texts = [t for t in window.user_texts if len(t) >= PROBE_CHARS]
-        if not recent or not texts:
+        if not recent or not texts or window.instructions == NO_INSTRUCTIONS:
             return None
         text = normalised(_JOIN.join(_leading(texts, SCAN_CHARS)))  # one search per stretch
         found = {

@@ -4,13 +4,15 @@
 (one KV-cache group per kind of layer, all in one block pool), each as small as the ``tiny``
 Llama and with random weights too: ``gpt-oss`` (sliding-window and full attention alternating,
 experts; gpt-oss's own tokenizer, rebuilt offline from the harmony library vLLM renders its
-chats with), ``gemma3`` (three sliding-window layers to one full) and ``qwen3-next`` (Gated
-DeltaNet linear attention and full attention alternating, experts), the last two with the Llama
+chats with), ``gemma3`` (three sliding-window layers to one full), ``mistral`` (every layer
+a sliding window, as Mistral 7B v0.1: one group, vLLM's unitary coordinator) and
+``qwen3-next`` (Gated DeltaNet linear attention and full attention alternating, experts), the
+last three with the Llama
 model's tokenizer and template. Besides them ``deepseek-v3``: DeepSeek V3's Multi-head Latent
 Attention (one latent KV cache per token and layer, vLLM's ``mla_attention`` group: not hybrid,
 one group, but a KV cache of another kind), experts, the Llama tokenizer too. Their folders:
-``.cache/tiny-gpt-oss``, ``.cache/tiny-gemma3``, ``.cache/tiny-qwen3-next``,
-``.cache/tiny-deepseek-v3``.
+``.cache/tiny-gpt-oss``, ``.cache/tiny-gemma3``, ``.cache/tiny-mistral``,
+``.cache/tiny-qwen3-next``, ``.cache/tiny-deepseek-v3``.
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ HYBRID_SHAPES: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 64,
         "sliding_window": 128,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    },
+    # Every layer a sliding window (Mistral 7B v0.1's shape: ``sliding_window`` and no
+    # ``layer_types``): one KV-cache group, so vLLM builds its unitary coordinator, not the
+    # hybrid one, and vLLM's default retention keeps the window's state at prompt ends and
+    # junctions only, as beside full attention.
+    "mistral": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "sliding_window": 128,
     },
     # Gated DeltaNet linear attention with full attention every second layer, a few experts.
     # The linear-attention head sizes must be 64: vLLM's CPU kernel rejects 32 ("Unexpected head
@@ -218,11 +233,18 @@ def build_hybrid(arch: str, out_dir: Path | None = None, max_positions: int = 32
 
 def _hybrid_config(arch: str, tokenizer: Any, max_positions: int) -> Any:
     """The ``transformers`` config of a hybrid arch, its special ids the tokenizer's."""
-    from transformers import DeepseekV3Config, Gemma3TextConfig, GptOssConfig, Qwen3NextConfig
+    from transformers import (
+        DeepseekV3Config,
+        Gemma3TextConfig,
+        GptOssConfig,
+        MistralConfig,
+        Qwen3NextConfig,
+    )
 
     config_class = {
         "gpt-oss": GptOssConfig,
         "gemma3": Gemma3TextConfig,
+        "mistral": MistralConfig,
         "qwen3-next": Qwen3NextConfig,
         "deepseek-v3": DeepseekV3Config,
     }[arch]

@@ -39,8 +39,10 @@ def scheduler(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 8192,
     block_size: int = 16,
+    prefix_caching: bool = True,
 ) -> Any:
-    """vLLM's ``Scheduler`` over ``kv_cache_config`` (prefix caching on, chunked prefill)."""
+    """vLLM's ``Scheduler`` over ``kv_cache_config`` (chunked prefill; prefix caching on
+    unless told)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
@@ -53,7 +55,7 @@ def scheduler(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
     )  # fmt: skip
-    caching = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    caching = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     caching.num_gpu_blocks = kv_cache_config.num_blocks
     config = VllmConfig(
         model_config=model, scheduler_config=scheduling, cache_config=caching,
