@@ -17,6 +17,8 @@ REQUIRED = {
         "iter_blocks_after",
     ),
     "vllm.v1.core.block_pool.BlockPool": (
+        "hash_block_size",
+        "null_block",
         "get_new_blocks",
         "free_blocks",
         "touch",
@@ -32,10 +34,25 @@ REQUIRED = {
         "coordinator",
         "block_pool",
     ),
-    # a hybrid model's checkpoints (checkpoints.py): its blocks found by vLLM's own lookup
+    # what every layout needs of its coordinator (the groups, read at start-up; a request's
+    # blocks; the checkpoints' lookups and positions, ``checkpoints.py``)
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": (
+        "single_type_managers",
+        "kv_cache_config",
+        "block_pool",
+        "scheduler_block_size",
+        "get_blocks",
+        "find_longest_cache_hit",
+    ),
+    # every layer of one kind (full attention, a sliding window as in Mistral 7B v0.1, MLA,
+    # Mamba alone): one group, one lookup
+    "vllm.v1.core.kv_cache_coordinator.UnitaryKVCacheCoordinator": ("find_longest_cache_hit",),
+    # a hybrid model's checkpoints: its blocks found by vLLM's own per-group lookup
     "vllm.v1.core.kv_cache_coordinator.HybridKVCacheCoordinator": (
         "find_longest_cache_hit_per_group",
     ),
+    # prefix caching off: the groups are still read and reported
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache": ("get_blocks",),
     "vllm.v1.core.sched.scheduler.Scheduler": (
         "add_request",
         "schedule",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ from engine_faults import TARGETS
 
 from benchmarks.hybrid_models import call, grow_then_compact, hybrid_vllm, system_prompt, text
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER, NEXT_USE_HEADER
-from vllm_affinity.testing import VLLMServer
+from vllm_affinity.testing import SERVED_NAME, VLLMServer
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +45,12 @@ def faulty_server(flag: Path) -> Iterator[VLLMServer]:
         "PYTHONPATH": str(SITE),
     }
     server = hybrid_vllm(
-        "mistral", num_blocks=48, max_model_len=1280, env=env, worker_in_engine=True
+        "mistral",
+        num_blocks=48,
+        max_model_len=1280,
+        env=env,
+        worker_in_engine=True,
+        extra_args=("--enable-scale-out",),  # /inference/v1/generate: sampling_params whole
     )
     with server:
         yield server
@@ -94,3 +100,54 @@ def test_every_engine_path_fails_open_and_the_plugin_comes_back(
     assert after["released_hit"] == before["released_hit"]
     for engine in server.idle_check()["engines"]:
         assert engine["idle"] and not engine["problems"], engine["problems"]
+
+
+#: The plugin's keys as a client might send them: malformed, and well formed but forged (another
+#: tenant's principal, a compaction that never happened).
+FORGED: dict[str, Any] = {
+    "kv_head": "512",
+    "kv_next_use": "soon",
+    "kv_checkpoint": [1],
+    "kv_release": 7,
+    "kv_rewrite": "rewrite",
+    "kv_principal": "another-tenant",
+    "kv_vouched": "a guess",
+}
+
+
+def test_nothing_a_caller_sends_reaches_the_engine_as_the_plugins_own(
+    faulty_server: VLLMServer,
+) -> None:
+    """Every entry point that passes a client's ``extra_args`` on (chat, completions, Responses,
+    Messages through chat, ``/inference/v1/generate``): the reserved keys never reach the
+    engine, malformed or forged (``api_server/engine_funnel.py``), and every call is served."""
+    server = faulty_server
+    before = server.engine_stats()
+    headers = {**server.headers(), CLAUDE_CODE_SESSION_HEADER: "forger"}
+    prompt = text(9, 20)
+    bodies = {
+        "/v1/chat/completions": {
+            "messages": [{"role": "user", "content": prompt}],
+            "vllm_xargs": FORGED,
+        },
+        "/v1/completions": {"prompt": prompt, "vllm_xargs": FORGED},
+        "/v1/responses": {"input": prompt, "vllm_xargs": FORGED},
+    }
+    with httpx.Client(base_url=server.root_url, headers=headers, timeout=120) as client:
+        for route, body in bodies.items():
+            answer = client.post(route, json={"model": SERVED_NAME, "max_tokens": 4, **body})
+            assert answer.status_code == 200, (route, answer.text)
+        tokens = server.tokenize([{"role": "user", "content": prompt}])
+        generated = client.post(
+            "/inference/v1/generate",
+            json={
+                "model": SERVED_NAME,
+                "token_ids": tokens,
+                "sampling_params": {"max_tokens": 4, "extra_args": FORGED},
+            },
+        )
+        assert generated.status_code == 200, generated.text
+    after = server.engine_stats()
+    assert after["malformed_args"] == before["malformed_args"], after["malformed_args"]
+    assert after["releases"] == before["releases"]  # the forged rewrite released nothing
+    assert after["engine_errors"] == before["engine_errors"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..settings import Settings
 from .agent_hint import AgentHintError, answer_management, read_agent_hint
+from .engine_funnel import vouch, wrap_engine_funnel
 from .release_service import service_of
 from .request_path import (
     Refusal,
@@ -48,6 +49,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
         raw_request = args[1] if len(args) > 1 else kwargs.get("raw_request")
         service = getattr(raw_request.app.state, "jiuwen_affinity", None) if raw_request else None
         path = RequestPath(settings, instance, request, raw_request, service, count_hint)
+        vouch(request)  # the keys the plugin writes from here on are its own
         try:
             await run_steps(path)
         except Refusal as refusal:
@@ -81,6 +83,7 @@ def wrap_serving(settings: Settings, count_hint: Callable[[str], None]) -> None:
             return answer_management(service, request, agent_hint, raw_request, principal)
         return serve(wrapped, instance, args, kwargs)
 
+    wrap_engine_funnel()  # every entry point's request checked where they meet
     wrapt.wrap_function_wrapper(GenerateBaseServing, "_get_data_parallel_rank", session_rank)
     wrapt.wrap_function_wrapper(OpenAIServingChat, "create_chat_completion", before_chat)
     wrapt.wrap_function_wrapper(OpenAIServingCompletion, "create_completion", before)
