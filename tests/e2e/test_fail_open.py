@@ -119,7 +119,7 @@ def test_nothing_a_caller_sends_reaches_the_engine_as_the_plugins_own(
     faulty_server: VLLMServer,
 ) -> None:
     """Every entry point that passes a client's ``extra_args`` on (chat, completions, Responses,
-    Messages through chat, ``/inference/v1/generate``): the reserved keys never reach the
+    Anthropic's Messages, ``/inference/v1/generate``): the reserved keys never reach the
     engine, malformed or forged (``api_server/engine_funnel.py``), and every call is served."""
     server = faulty_server
     before = server.engine_stats()
@@ -132,6 +132,10 @@ def test_nothing_a_caller_sends_reaches_the_engine_as_the_plugins_own(
         },
         "/v1/completions": {"prompt": prompt, "vllm_xargs": FORGED},
         "/v1/responses": {"input": prompt, "vllm_xargs": FORGED},
+        "/v1/messages": {
+            "messages": [{"role": "user", "content": prompt}],
+            "vllm_xargs": FORGED,
+        },
     }
     with httpx.Client(base_url=server.root_url, headers=headers, timeout=120) as client:
         for route, body in bodies.items():

@@ -180,6 +180,28 @@ def test_a_side_prompt_whose_answer_never_came_back_is_learned() -> None:
     assert chains.chain_of("p", window(*turn, user("commit"))) == (main, "continued")
 
 
+@pytest.mark.parametrize("answer", ["never", "late"])
+def test_a_side_prompt_given_up_on_is_learned_too(answer: str) -> None:
+    """The suggestion's answer is not in when the next turn comes: Qwen Code aborts it when the
+    user types on (``never``), or the server records it after the next window was linked
+    (``late``). The next turn drops its message all the same: it is learned, whatever the
+    timing, and the next suggestion is a side request."""
+    chains = AnswerChains()
+    suggest = user("[SUGGESTION MODE: Suggest what the user might naturally type next.]")
+    main, _ = chains.chain_of("p", window(user("task")))
+    chains.record("p", main, Answer("First answer."))
+    turn = [user("task"), said("First answer.")]
+    assert chains.chain_of("p", window(*turn, suggest)) == (main, "continued")  # not known yet
+    turn += [user("now the tests")]
+    assert chains.chain_of("p", window(*turn)) == (main, "continued")  # the suggestion's gone
+    if answer == "late":
+        chains.record("p", main, Answer("run the tests"))
+    chains.record("p", main, Answer("Second answer."))
+    turn += [said("Second answer.")]
+    assert chains.chain_of("p", window(*turn, suggest)) == (main, "side")
+    assert chains.chain_of("p", window(*turn, user("commit"))) == (main, "continued")
+
+
 def test_a_regenerated_answer_teaches_nothing() -> None:
     """A chat UI's regenerate re-sends the same window (its last user message kept, the
     answer not carried): the same chain, and no side prompt learned, so the user's next

@@ -40,8 +40,8 @@ and tools apart (what makes the guess safe):
   (its tool calls' ids still do, being vLLM's own). Linked by it, every chat opening with it
   would join the chain that wrote it, and so each other; each chat is linked by its own answers.
 
-A chain's request whose answer never came back and whose last user message the next window
-dropped was a side request (Qwen Code's next-prompt suggestion: the conversation and one fixed
+A chain's request whose answer never came back (answered, or given up on before its answer)
+and whose last user message the next window dropped was a side request (Qwen Code's next-prompt suggestion: the conversation and one fixed
 user message, answered and dropped): its last user message is learned as a **side prompt** of
 the principal, and a later window of a chain that ends with it is a side request.
 
@@ -327,9 +327,11 @@ class AnswerChains:
         return chain if self._chains[chain].instructions == window.instructions else None
 
     def _learn_side_prompt(self, principal: str, state: _Chain, window: ChainWindow) -> None:
-        """The chain's last request was answered, its answer did not come back and its last
-        user message is gone: that message is a side prompt."""
-        if state.last_user is None or not state.answered or window.carries(state.answered):
+        """The chain's last request's answer did not come back and its last user message is
+        gone: that message is a side prompt. Answered or not: a request its client gave up on
+        (Qwen Code aborts its suggestion when the user types on) or whose answer is recorded
+        after the next window came was dropped all the same."""
+        if state.last_user is None or (state.answered and window.carries(state.answered)):
             return
         length, link = state.last_user
         if any(len(t) == length and text_link(t) == link for t in window.user_texts):
