@@ -41,9 +41,10 @@ and tools apart (what makes the guess safe):
   would join the chain that wrote it, and so each other; each chat is linked by its own answers.
 
 A chain's request whose answer never came back (answered, or given up on before its answer)
-and whose last user message the next window dropped was a side request (Qwen Code's next-prompt suggestion: the conversation and one fixed
-user message, answered and dropped): its last user message is learned as a **side prompt** of
-the principal, and a later window of a chain that ends with it is a side request.
+and whose last user message the next window dropped was a side request (Qwen Code's
+next-prompt suggestion: the conversation and one fixed user message, answered and dropped): its
+last user message is learned as a **side prompt** of the principal, and a later window of a
+chain that ends with it is a side request.
 
 Memory: one entry per link (a tool call id or a text digest), at most ``max_links`` (least
 recently used out first); one per chain (its instructions and its last request), at most
