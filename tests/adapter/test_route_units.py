@@ -260,3 +260,49 @@ def test_a_responses_window_digests_the_same_every_turn() -> None:
         verdicts.append(rule.classify("codex", window_of(request)))
         items += [item("assistant", f"a{turn}"), item("user", f"u{turn + 1}")]
     assert verdicts == ["first", "append", "append"]
+
+
+@pytest.mark.parametrize(
+    ("client", "keys", "refused"),
+    [
+        (("10.1.2.3", 5000), [], True),  # another machine, a server without keys
+        (("203.0.113.9", 5000), [], True),
+        (("127.0.0.1", 5000), [], False),  # this machine
+        (("::1", 5000), [], False),
+        (("10.1.2.3", 5000), ["k"], False),  # another machine with the server's key
+    ],
+)
+def test_the_invariants_check_answers_a_keyed_or_loopback_caller_only(
+    client: tuple[str, int], keys: list[str], refused: bool
+) -> None:
+    """``/affinity/check`` walks every block between two scheduler steps: it answers a caller
+    with the server's key, or on a server without keys a loopback one; anyone else gets
+    vLLM's 403 before the engine is asked (here the service has no engine: an answered call
+    fails further on, a refused one never gets there)."""
+    import hashlib
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_affinity.api_server.metrics import AffinityMetrics
+    from vllm_affinity.api_server.release_service import ReleaseService
+    from vllm_affinity.api_server.route import router
+
+    app = FastAPI()
+    app.include_router(router)
+    from prometheus_client import CollectorRegistry
+
+    tokens = [hashlib.sha256(k.encode()).digest() for k in keys]
+    app.state.jiuwen_affinity = ReleaseService(
+        engine_client=None, serving_chat=None, serving_responses=None, serving_messages=None,
+        block_size=16, max_model_len=256, api_tokens=tokens, settings=Settings(),
+        metrics=AffinityMetrics(CollectorRegistry()),
+    )  # fmt: skip
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    with TestClient(app, client=client, raise_server_exceptions=False) as http:
+        answer = http.get("/affinity/check", headers=headers)
+    if refused:
+        assert answer.status_code == 403
+        assert answer.json()["error"]["type"] == "PermissionDeniedError"
+    else:
+        assert answer.status_code != 403
