@@ -216,8 +216,10 @@ class GroupStats(BaseModel):
     #: From vLLM's spec class: ``full_attention``, ``sliding_window``, ``mamba``, ...
     kind: str
     block_size: int = Field(ge=1)
-    #: Session-block pairs the tracked sessions' latest requests hold in this group.
-    bindings: int = Field(ge=0)
+    #: Session-block pairs the tracked sessions' latest requests hold in this group; on a
+    #: model of several groups only in ``/affinity/check`` (``None`` in the periodic stats:
+    #: counting them walks every record).
+    bindings: int | None = Field(default=None, ge=0)
     #: Released (moved or pending), by every path.
     blocks_released: int = Field(ge=0)
     blocks_idled: int = Field(ge=0)

@@ -308,6 +308,7 @@ class SessionMachine(RuleBasedStateMachine):
             counts
         )
         assert self.table.bindings == sum(counts.values())
+        assert self.table.blocks.bindings() == self.table.bindings  # the stats' one pass
         assert len(self.table) == len(self.model) <= MAX_SESSIONS
 
 
@@ -557,6 +558,7 @@ def test_the_tables_of_a_models_groups_share_one_block_state() -> None:
     states.unbind([2, 7])  # once, whatever group they served
     assert full.unreused("a", 0) == [1, 3] and window.unreused("a", 0) == [8]
     assert (full.bindings, window.bindings) == (4, 1)
+    assert states.bindings() == 5  # the pool's, over both groups' tables
     assert full.sole_holder(3) == window.sole_holder(8) == "a" and full.sole_holder(1) is None
     assert window.select_release("a", 0).block_ids == [8]
     assert full.check([window]) == []

@@ -130,6 +130,14 @@ class BlockStates:
                 self.ensure(top + 1)
         return ids
 
+    def bindings(self) -> int:
+        """(record, block) pairs held, over every table sharing these states: the holder
+        counts of the blocks that have a first holder (``check``'s own reading of them). One
+        numpy pass over the pool (about 1.4 ms at 400k blocks here), whatever the number of
+        records: the stats' figure, read every few seconds."""
+        views = self.views
+        return int(np.where(views.first_holder == NOBODY, 0, views.holders).sum(dtype=np.int64))
+
     def holders_of(self, block_id: int) -> int:
         """How many records hold the block's current content."""
         if not 0 <= block_id < len(self.holders) or self.first_holder[block_id] == NOBODY:

@@ -359,7 +359,7 @@ def affinity_check(self: Any, blocks: bool = False) -> dict[str, Any]:
     state = _engine_state(self)
     scheduler = self.scheduler
     idle = not scheduler.has_requests()
-    answer = {"idle": idle, "problems": state.check(idle), **state.stats().model_dump()}
+    answer = {"idle": idle, "problems": state.check(idle), **state.stats(exact=True).model_dump()}
     if blocks:
         answer["cached_blocks"] = cached_block_hashes(state.pool)
     return answer
