@@ -28,7 +28,7 @@ def _counter_names() -> frozenset[str]:
             "idles", "blocks_idled", "children_ended", "protects", "blocks_protected",
             "blocks_kept_instructions", "blocks_predicted", "waits_idled", "blocks_idled_waiting",
             "checkpoints_marked", "checkpoint_blocks_refreshed", "engine_us", "engine_steps",
-            "picker_reads_capped",
+            "picker_reads_capped", "utility_calls", "utility_us", "utility_us_max",
             *(f"{kind}_{mode}" for kind in ("releases", "block_released", "release_us")
               for mode in modes),
             *(f"releases_{status}" for status in releases),

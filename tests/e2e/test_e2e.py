@@ -194,6 +194,7 @@ def test_metrics_show_segments(vllm_affinity_server: VLLMServer) -> None:
     chat(server, "metrics", messages)
     requests = server.metric("vllm_affinity_release_requests_total", outcome="ok")
     blocks = server.metric("vllm_affinity_block_released_total")
+    calls = engine(server)["utility_calls"]
     released = server.release(release_body("metrics", messages, 1)).json()["block_released"]
     assert released > 0
     stats = engine(server)  # also refreshes the snapshot behind /metrics
@@ -208,6 +209,10 @@ def test_metrics_show_segments(vllm_affinity_server: VLLMServer) -> None:
     assert abs(spent - stats["engine_us"] / 1e6) < 1e-6
     per_step = stats["engine_us"] / stats["engine_steps"]
     assert per_step < 50_000, f"{per_step:.0f} µs of the plugin per step"
+    # engine utility calls count in that time: the stats call before and the release (a call
+    # is counted once it has answered, so the last stats call is not in its own figures)
+    assert stats["utility_calls"] >= calls + 2
+    assert 0 < stats["utility_us_max"] <= stats["utility_us"] <= stats["engine_us"]
 
 
 def test_concurrent_releases_during_generation(vllm_affinity_server: VLLMServer) -> None:

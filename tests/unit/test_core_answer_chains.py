@@ -11,6 +11,7 @@ from vllm_affinity.core.answer_chains import (
     NO_INSTRUCTIONS,
     PROBE_CHARS,
     PROBES,
+    SCAN_CHARS,
     Answer,
     AnswerChains,
     ChainWindow,
@@ -253,6 +254,21 @@ def test_wire_round_trips_and_rejects_garbage() -> None:
             Answer.from_wire(garbage)
     with pytest.raises(ValueError):
         AnswerChains(max_chains=0)
+
+
+def test_the_wire_carries_what_linking_reads_and_no_more() -> None:
+    """With several API servers every id-less window crosses to the engine: its user messages
+    go as (length, link) keys, and only the leading text a stretch is searched in, none for a
+    window without instructions (no stretch links it)."""
+    long = " ".join(f"word{n}" for n in range(40_000))  # ~300k characters
+    heavy = window(user(long), said("text"), user(long))
+    wire = repr(heavy.to_wire())
+    assert len(wire) < SCAN_CHARS + 1_000
+    assert ChainWindow.from_wire(heavy.to_wire()) == heavy
+    bare = ChainWindow.of([user(long), said("text"), user("again")], None)
+    assert bare.instructions == NO_INSTRUCTIONS and bare.scan == ""
+    assert len(repr(bare.to_wire())) < 500
+    assert bare.last_user() == (5, bare.user_keys[-1][1])
 
 
 def test_only_the_windows_leading_user_text_is_searched() -> None:

@@ -174,15 +174,24 @@ class Answer:
         return answer
 
 
+#: A user message as linking reads it: its length and its text's link (``""`` when empty).
+UserKey = tuple[int, str]
+
+
 @dataclass(frozen=True, slots=True)
 class ChainWindow:
-    """What linking reads of a window: its instructions' digest (``NO_INSTRUCTIONS`` when it
-    has none), the links of each of its assistant messages (in order; an opening one's text
-    left out), its user messages' texts, and whether its last message is a user message."""
+    """What linking reads of a window, and no more (with several API servers it crosses to
+    the engine on every id-less request): its instructions' digest (``NO_INSTRUCTIONS`` when
+    it has none), the links of each of its assistant messages (in order; an opening one's text
+    left out), each user message's ``UserKey``, the text a stretch is searched in (its user
+    messages of ``PROBE_CHARS`` or more, joined and normalised, the first ``SCAN_CHARS``
+    characters; empty for a window with no instructions, which no stretch links), and whether
+    its last message is a user message."""
 
     instructions: str
     answers: tuple[tuple[str, ...], ...]
-    user_texts: tuple[str, ...]
+    user_keys: tuple[UserKey, ...]
+    scan: str = ""
     ends_with_user: bool = False
 
     @classmethod
@@ -213,38 +222,53 @@ class ChainWindow:
             elif role == "user":
                 user_texts.append(text_of(message.get("content")))
         ends_with_user = len(messages) > head and messages[-1].get("role") == "user"
-        return cls(instructions, tuple(answers), tuple(user_texts), ends_with_user)
+        long_texts = [t for t in user_texts if len(t) >= PROBE_CHARS]
+        scan = (
+            normalised(_JOIN.join(_leading(long_texts, SCAN_CHARS)))
+            if instructions != NO_INSTRUCTIONS
+            else ""
+        )
+        return cls(
+            instructions, tuple(answers), tuple(map(user_key, user_texts)), scan, ends_with_user
+        )
 
-    def last_user(self) -> str | None:
-        """The window's last message when it is a user message's text."""
-        return self.user_texts[-1] if self.ends_with_user and self.user_texts else None
+    def last_user(self) -> UserKey | None:
+        """The ``UserKey`` of the window's last message when it is a user message."""
+        return self.user_keys[-1] if self.ends_with_user and self.user_keys else None
 
     def carries(self, links: Iterable[str]) -> bool:
         """Whether one of its assistant messages has one of ``links``."""
         wanted = set(links)
         return any(link in wanted for answer in self.answers for link in answer)
 
-    def to_wire(self) -> tuple[str, list[list[str]], list[str], bool]:
+    def to_wire(self) -> tuple[str, list[list[str]], list[list[Any]], str, bool]:
         return (
             self.instructions,
             [list(a) for a in self.answers],
-            list(self.user_texts),
+            [list(k) for k in self.user_keys],
+            self.scan,
             self.ends_with_user,
         )
 
     @classmethod
     def from_wire(cls, wire: Any) -> ChainWindow:
         try:
-            instructions, answers, texts, ends_with_user = wire
+            instructions, answers, keys, scan, ends_with_user = wire
             window = cls(
                 str(instructions),
                 tuple(tuple(str(k) for k in a) for a in answers),
-                tuple(str(t) for t in texts),
+                tuple((int(length), str(link)) for length, link in keys),
+                str(scan)[:SCAN_CHARS],
                 bool(ends_with_user),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"not a chain window: {exc}") from None
         return window
+
+
+def user_key(text: str) -> UserKey:
+    """A user message's ``UserKey``."""
+    return (len(text), text_link(text) or "")
 
 
 @dataclass(slots=True)
@@ -253,7 +277,7 @@ class _Chain:
     length and link) and answer's links (``None`` until it is recorded)."""
 
     instructions: str
-    last_user: tuple[int, str] | None = None
+    last_user: UserKey | None = None
     answered: tuple[str, ...] | None = None
 
 
@@ -313,14 +337,12 @@ class AnswerChains:
 
     def _by_stretch(self, principal: str, window: ChainWindow) -> str | None:
         recent = self._recent.get(principal)
-        texts = [t for t in window.user_texts if len(t) >= PROBE_CHARS]
-        if not recent or not texts or window.instructions == NO_INSTRUCTIONS:
+        if not recent or not window.scan or window.instructions == NO_INSTRUCTIONS:
             return None
-        text = normalised(_JOIN.join(_leading(texts, SCAN_CHARS)))  # one search per stretch
         found = {
             chain
             for chain, stretches in recent
-            if chain in self._chains and _found_in(stretches, text)
+            if chain in self._chains and _found_in(stretches, window.scan)
         }
         if len(found) != 1:
             return None  # none, or two conversations' answers: never joined
@@ -334,11 +356,10 @@ class AnswerChains:
         after the next window came was dropped all the same."""
         if state.last_user is None or (state.answered and window.carries(state.answered)):
             return
-        length, link = state.last_user
-        if any(len(t) == length and text_link(t) == link for t in window.user_texts):
+        if state.last_user in window.user_keys:
             return
         learned = self._side_prompts.pop(principal, None) or OrderedDict()
-        learned[link] = None
+        learned[state.last_user[1]] = None
         self._bound(learned, MAX_SIDE_PROMPTS)
         self._side_prompts[principal] = learned
         self._bound(self._side_prompts, self._max_chains)
@@ -346,7 +367,7 @@ class AnswerChains:
     def _is_side_prompt(self, principal: str, window: ChainWindow) -> bool:
         learned = self._side_prompts.get(principal)
         last = window.last_user()
-        return learned is not None and last is not None and text_link(last) in learned
+        return learned is not None and last is not None and last[1] in learned
 
     def record(self, principal: str, chain: str, answer: Answer, main: bool = True) -> None:
         """The server answered ``chain``'s request with ``answer`` (``main``: the chain's
@@ -387,7 +408,7 @@ def _leading(texts: list[str], limit: int) -> list[str]:
     return kept
 
 
-def _last_user_key(window: ChainWindow) -> tuple[int, str] | None:
+def _last_user_key(window: ChainWindow) -> UserKey | None:
+    """The window's last user message's key, when it ends with a non-empty one."""
     last = window.last_user()
-    link = text_link(last) if last is not None else None
-    return None if link is None or last is None else (len(last), link)
+    return last if last is not None and last[1] else None

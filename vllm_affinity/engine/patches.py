@@ -32,7 +32,9 @@ All of vLLM's own method bodies stay untouched.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
@@ -250,6 +252,26 @@ def bind_step(state: PoolAffinity, requests: Any, output: Any) -> None:
         state.bind_taken(binds)
 
 
+def _timed(function: Callable[..., Any]) -> Callable[..., Any]:
+    """An engine utility whose time counts in the plugin's engine time (it holds up the next
+    scheduler step as long as it runs)."""
+
+    @functools.wraps(function)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = perf_counter_ns()
+        try:
+            return function(self, *args, **kwargs)
+        finally:
+            try:
+                state = affinity_of(self.scheduler.kv_cache_manager.block_pool)
+            except AttributeError:  # no scheduler yet: nothing to count in
+                state = None
+            if state is not None:
+                state.spent_in_utility(perf_counter_ns() - start)
+
+    return timed
+
+
 def _engine_state(engine_core: Any) -> PoolAffinity:
     state = affinity_of(engine_core.scheduler.kv_cache_manager.block_pool)
     if state is None:
@@ -422,5 +444,5 @@ def apply_engine_patches() -> None:
         "affinity_record_answer": record_answer,
     }
     for name, function in utilities.items():  # a failure is counted, then answered as one
-        setattr(EngineCore, name, utility()(function))
+        setattr(EngineCore, name, utility()(_timed(function)))
     _applied = True

@@ -1103,6 +1103,17 @@ class PoolAffinity:
             for group, table, counts in zip(self.groups, tables, self._group_counts, strict=True)
         ]
 
+    def spent_in_utility(self, ns: int) -> None:
+        """An engine utility call took ``ns`` nanoseconds between two scheduler steps: counted
+        in the plugin's engine time, with the longest such call."""
+        self.engine_ns += ns
+        us = ns // 1000
+        self.counters.add("utility_calls")
+        self.counters.add("utility_us", us)
+        longest = self.counters["utility_us_max"]
+        if us > longest:
+            self.counters.add("utility_us_max", us - longest)
+
     def stats(self, exact: bool = False) -> EngineStats:
         """The counters and sizes (``exact``: each group's bindings too, ``group_stats``)."""
         return EngineStats(
