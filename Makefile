@@ -32,7 +32,13 @@ AIDER_VERSION := 0.86.2
 AIDER_VENV    := .venv-aider
 AIDER         := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
 
-.PHONY: debian-tools peer-agentinfer demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
+# Open WebUI (PyPI), a chat UI that names no session, in a virtualenv of its own (~2 GB with
+# torch; make test-long and benchmarks/open_webui.py drive it).
+OWUI_VERSION := 0.12.4
+OWUI_VENV    := .cache/openwebui-venv
+OWUI         := $(OWUI_VENV)/.installed-$(OWUI_VERSION)
+
+.PHONY: debian-tools peer-agentinfer open-webui demo test test-long test-vllm-next test-bench test-client lint format bench bench-client bench-server bench-agents \
 	bench-fleet model clean
 
 $(UV):
@@ -67,6 +73,14 @@ $(AIDER): $(UV)
 	@echo "Installing aider $(AIDER_VERSION) in $(AIDER_VENV) ..."
 	$(UV) pip install --quiet --python $(AIDER_VENV)/bin/python 'aider-chat==$(AIDER_VERSION)'
 	@touch $@
+
+$(OWUI): $(UV)
+	@test -x $(OWUI_VENV)/bin/python || $(PYTHON) -m venv $(OWUI_VENV)
+	@echo "Installing Open WebUI $(OWUI_VERSION) in $(OWUI_VENV) (~2 GB) ..."
+	$(UV_INSTALL) $(OWUI_VENV)/bin/python 'open-webui==$(OWUI_VERSION)'
+	@touch $@
+
+open-webui: $(OWUI)
 
 # vLLM's own router (PyPI, a Rust binary), for the fleet tests and benchmark behind it.
 ROUTER_VERSION := 0.1.17
@@ -192,8 +206,8 @@ test-vllm-next: $(VLLM_NEXT_DIR)/.extracted
 	PYTHONPATH=$(VLLM_NEXT_DIR) JIUWEN_EXPECT_VLLM=$(VLLM_NEXT) $(PY) -m pytest -q -p no:cacheprovider tests/adapter
 
 ## test-long: the minutes-long runs make test skips (the 150 s soak; two replicas behind nginx,
-## with the hook and with Claude Code and the Codex CLI)
-test-long: $(MODEL) $(AGENTS) $(ROUTER) debian-tools
+## with the hook and with Claude Code and the Codex CLI; the real Open WebUI's users)
+test-long: $(MODEL) $(AGENTS) $(ROUTER) $(OWUI) debian-tools
 	JIUWEN_LONG=1 $(PY) -m pytest -m long
 
 ## test-bench: the benchmark scripts' own pipeline runs (servers of their own; ~5 minutes)

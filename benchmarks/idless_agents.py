@@ -12,10 +12,18 @@ answers its windows carry back (``core/answer_chains.py``).
 Two grids, each side by side on one pool size per cell (in blocks per session): one session
 alone, and four concurrent sessions that share the system prompt, the tools and the first
 message (the case where a guess could join two sessions and release one's live blocks).
+
+``--traffic`` adds a chat UI's backend (many users behind one key, every chat regenerated and
+edited): ``chat`` (under the app's system prompt), ``webui`` (Open WebUI's shape: no system
+prompt, and its title, tags and follow-up requests quoting the chat), ``greeting`` (one
+model-written greeting opening every chat) and ``lookalike`` (the same first message answered
+alike, pastes of another user's answer): the shapes where a guess could join two users' chats.
 Reported per cell: prompt tokens
 computed (not read from the prefix cache) by each side and the plugin's ratio to vanilla.
 
     python -m benchmarks.idless_agents [--pools 64,76] [--sessions 1,4] [--steps 36]
+    python -m benchmarks.idless_agents --traffic webui,greeting,lookalike --sessions 12 \
+        --pools 20,44 --steps 16 --out benchmarks/results/idless_chat_uis.json
 """
 
 from __future__ import annotations
@@ -71,16 +79,19 @@ async def ask(
     messages: list[dict[str, Any]],
     max_tokens: int,
     tools: bool,
-    seed: int,
+    seed: int | None,
 ) -> tuple[str, dict[str, Any]]:
     """One streamed call, as the agents make it: the answer's text and the usage. Sampled with
     a seed of the session's: sessions given the same window answer differently, as a real
-    model's would, and every run gets the same answers."""
+    model's would, and every run gets the same answers. ``seed`` ``None``: greedy (vLLM's CPU
+    engine dies on a seeded request whose prefill is split over steps, its CPU generator having
+    no offset to rewind: the many-user chat shapes answer greedily, each user's first message
+    their own)."""
     body: dict[str, Any] = {
         "model": SERVED_NAME,
         "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": 1.0,
+        "temperature": 1.0 if seed is not None else 0.0,
         "seed": seed,
         "ignore_eos": True,
         "stream": True,
@@ -95,13 +106,26 @@ async def ask(
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
             for choice in chunk.get("choices") or ():
                 text.append((choice.get("delta") or {}).get("content") or "")
             usage = chunk.get("usage") or usage
     return "".join(text), usage
 
 
-async def agent(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -> None:
+@dataclass
+class Board:
+    """What a run's users share: the app's greeting (model-written once, before the users
+    come) and each user's latest answer (what another user may paste)."""
+
+    greeting: str = ""
+    answers: dict[int, str] = field(default_factory=dict)
+
+
+async def agent(
+    client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board
+) -> None:
     """One session: steps, side requests and compactions (see the module's docstring)."""
     rng = random.Random(1000 + n)
     system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
@@ -131,7 +155,9 @@ async def agent(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -
         await asyncio.sleep(rng.uniform(0, shape.think_s))
 
 
-async def one_shot(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -> None:
+async def one_shot(
+    client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board
+) -> None:
     """A load test's client: independent prompts (a system prompt every client shares, a
     question of its own), none followed up."""
     rng = random.Random(2000 + n)
@@ -145,45 +171,131 @@ async def one_shot(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally
         await asyncio.sleep(rng.uniform(0, shape.think_s))
 
 
-async def chat(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally) -> None:
-    """A chat UI's user: no tools, the whole chat each time; every fifth answer regenerated
-    (the same chat again), every seventh message edited (the last one replaced), and every
-    eleventh an earlier message edited (the chat goes on from there)."""
-    rng = random.Random(3000 + n)
+async def chat(client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board) -> None:
+    """A chat UI's user under the app's system prompt: the whole chat each time; every fifth
+    answer regenerated (the same chat again), every seventh message edited (the last one
+    replaced), and every eleventh an earlier message edited (the chat goes on from there)."""
     system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
-    window: list[dict[str, Any]] = [system, {"role": "user", "content": "Hello!"}]
+    await _chat_ui(client, n, shape, tally, board, [system, _user("Hello!")])
+
+
+async def webui(
+    client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board
+) -> None:
+    """Open WebUI's user, as it talks by default: no system prompt, regenerations and edits as
+    ``chat``'s, and its background tasks, each one user message quoting the chat's last
+    messages with no system prompt (the title and the tags after the first answer, follow-up
+    suggestions after every answer)."""
+    opening = [_user(f"Hello! I am user {n}.")]
+    await _chat_ui(client, n, shape, tally, board, opening, tasks=True, greedy=True)
+
+
+async def greeting(
+    client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board
+) -> None:
+    """An app that opens every chat with one model-written greeting (the same text in every
+    user's chat) under its system prompt."""
+    system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
+    greeted = [system, {"role": "assistant", "content": board.greeting}]
+    await _chat_ui(
+        client, n, shape, tally, board, [*greeted, _user(f"Hello! I am user {n}.")], greedy=True
+    )
+
+
+async def lookalike(
+    client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board
+) -> None:
+    """Users who look alike under one system prompt: the same first message answered alike
+    (greedily), regenerations and edits, and every sixth message a stretch of another user's
+    latest answer pasted in."""
+    system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
+    opening = [system, _user("Hello!")]
+    await _chat_ui(client, n, shape, tally, board, opening, pastes=True, greedy=True)
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+#: Open WebUI's task prompts (shortened): each quotes the chat history in one user message.
+TASKS = {
+    "title": "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat.",
+    "tags": "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat.",
+    "follow_up": "### Task:\nSuggest 3-5 relevant follow-up questions the user might ask.",
+}
+
+
+def _task(kind: str, window: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    history = "\n".join(
+        f"{m['role'].upper()}: {m['content']}" for m in window[-6:] if m["role"] != "system"
+    )
+    return [_user(f"{TASKS[kind]}\n### Chat History:\n<chat_history>\n{history}\n</chat_history>")]
+
+
+async def _chat_ui(
+    client: httpx.AsyncClient,
+    n: int,
+    shape: Shape,
+    tally: Tally,
+    board: Board,
+    window: list[dict[str, Any]],
+    tasks: bool = False,
+    pastes: bool = False,
+    greedy: bool = False,
+) -> None:
+    rng = random.Random(3000 + n)
     for step in range(1, shape.steps + 1):
-        seed = n * 10_000 + step
+        seed = None if greedy else n * 10_000 + step
         answer, usage = await ask(client, window, shape.answer_tokens, False, seed)
         tally.add("main", usage)
         if step % 5 == 0:  # regenerate
-            answer, usage = await ask(client, window, shape.answer_tokens, False, seed + 5000)
+            again = None if seed is None else seed + 5000
+            answer, usage = await ask(client, window, shape.answer_tokens, False, again)
             tally.add("regenerate", usage)
         if step % 7 == 0:  # the last message edited
-            window[-1] = {"role": "user", "content": filler_text(rng, shape.output_pairs)}
-            answer, usage = await ask(client, window, shape.answer_tokens, False, seed + 7000)
+            window[-1] = _user(filler_text(rng, shape.output_pairs))
+            edited = None if seed is None else seed + 7000
+            answer, usage = await ask(client, window, shape.answer_tokens, False, edited)
             tally.add("edit", usage)
-        window += [
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": filler_text(rng, shape.output_pairs)},
-        ]
+        window += [{"role": "assistant", "content": answer}]
+        board.answers[n] = answer
+        for kind in ("title", "tags", "follow_up") if tasks else ():
+            if step == 1 or kind == "follow_up":
+                tally.add(kind, (await ask(client, _task(kind, window), 16, False, seed))[1])
+        text = filler_text(rng, shape.output_pairs)
+        others = [a for user, a in board.answers.items() if user != n and len(a) > 40]
+        if pastes and step % 6 == 0 and others:  # a stretch of another user's answer
+            theirs = rng.choice(others)
+            text = f"What about this: {theirs[len(theirs) // 4 :]}\n{text}"
+        window.append(_user(text))
         if step % 11 == 0 and len(window) > 6:  # an earlier message edited: a branch
-            window = [
-                *window[:3],
-                {"role": "user", "content": filler_text(rng, shape.output_pairs)},
-            ]
+            first = next(i for i, m in enumerate(window) if m["role"] == "user")
+            window = [*window[: first + 2], _user(filler_text(rng, shape.output_pairs))]
         await asyncio.sleep(rng.uniform(0, shape.think_s))
 
 
-#: The traffic a grid runs: agents that name no session, a load test, chat UIs.
-TRAFFIC = {"agents": agent, "one-shot": one_shot, "chat": chat}
+#: The traffic a grid runs: agents that name no session, a load test, chat UIs (a chat UI's
+#: backend: many users behind one key).
+TRAFFIC = {
+    "agents": agent,
+    "one-shot": one_shot,
+    "chat": chat,
+    "webui": webui,
+    "greeting": greeting,
+    "lookalike": lookalike,
+}
 
 
 async def run_sessions(base_url: str, sessions: int, shape: Shape, traffic: str) -> Tally:
-    tally = Tally()
+    tally, board = Tally(), Board()
     client_of = TRAFFIC[traffic]
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        await asyncio.gather(*(client_of(client, n, shape, tally) for n in range(sessions)))
+        if traffic == "greeting":  # the app's greeting, written once by the model
+            board.greeting, usage = await ask(
+                client, [_user("Greet a new user of the app.")], shape.answer_tokens, False, None
+            )
+            tally.add("greeting", usage)
+        await asyncio.gather(*(client_of(client, n, shape, tally, board) for n in range(sessions)))
     return tally
 
 
@@ -255,18 +367,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cell['plugin']['computed']} (x{cell['ratio']})", flush=True)  # fmt: skip
         cells.append(cell)
     lines = [
-        "| traffic | sessions | pool (blocks) | vanilla computed | plugin computed | ratio | "
-        "released | released hit | chains continued / started |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| traffic | sessions | pool (blocks) | prompt (vanilla / plugin) | vanilla computed | "
+        "plugin computed | ratio | released | released hit | chains continued / started |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         p = c["plugin"]
         lines.append(
             f"| {c['traffic']} | {c['sessions']} | {c['pool_blocks']} | "
-            f"{c['vanilla']['computed']} | {p['computed']} | {c['ratio']} | {p['released']} | "
-            f"{p['released_hit']} | "
+            f"{c['vanilla']['prompt']} / {p['prompt']} | {c['vanilla']['computed']} | "
+            f"{p['computed']} | {c['ratio']} | {p['released']} | {p['released_hit']} | "
             f"{p['chains_continued']} / {p['chains_started']} |"
         )
+    lines.append(
+        "\nPrompt tokens differ between the sides where an answer did (vLLM's CPU sampling is "
+        "seeded or greedy, but a batch's make-up can change a logit's last bits)."
+    )
     result = {"shape": asdict(shape), "cells": cells}
     out = Path(args.out)
     write_outputs(out.parent, out.stem, result, "\n".join(lines) + "\n")

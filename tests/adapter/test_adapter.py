@@ -995,3 +995,36 @@ def test_a_compaction_with_a_side_branch_and_a_retried_window_releases_every_dea
     assert stats.released_hit == 0
     assert state.check(idle=False) == []
     assert_no_leak(manager)
+
+
+def test_a_bounded_check_walks_a_rotating_slice_and_finds_what_is_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``/affinity/check`` runs between two scheduler steps: on a pool larger than
+    ``CHECK_BLOCKS`` each call walks the next slice (calls rotate over the pool), and the
+    holder counts are left out past ``CHECK_RECORDS`` records; a fault is found by the call
+    whose slice holds it. The unbounded check (the tests') walks everything."""
+    from vllm_affinity.engine import pool_affinity
+
+    monkeypatch.setattr(pool_affinity, "CHECK_BLOCKS", 100)
+    manager = make_manager(250)
+    state = state_of(manager)
+    run_prefill(manager, make_request(tokens(0, 3 * BLOCK), session="A"))
+    slices = []
+    for _ in range(4):
+        assert state.check(idle=False, bounded=True) == []
+        slices.append(state.check_scope["blocks"])
+    assert slices == [[0, 100], [100, 200], [200, 250], [0, 100]]
+    assert state.check_scope["holders"] and state.check_scope["of"] == 250
+    monkeypatch.setattr(pool_affinity, "CHECK_RECORDS", 0)
+    assert state.check(idle=False, bounded=True) == []  # [100, 200]
+    assert not state.check_scope["holders"]  # A's record is not walked
+    # a fault in the first slice: a free block that left the queue
+    block = next(b for b in manager.block_pool.blocks[1:100] if b.ref_cnt == 0)
+    fault = f"block {block.block_id}: ref_cnt 0, not in queue"
+    state.queue.remove(block)
+    assert state.check(idle=False, bounded=True) == []  # [200, 250]: not in it
+    assert state.check(idle=False, bounded=True) == [fault]
+    assert state.check_scope["blocks"] == [0, 100]
+    assert fault in state.check(idle=False)
+    state.queue.append(block)

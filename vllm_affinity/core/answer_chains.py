@@ -46,8 +46,9 @@ next-prompt suggestion: the conversation and one fixed user message, answered an
 last user message is learned as a **side prompt** of the principal, and a later window of a
 chain that ends with it is a side request.
 
-Memory: one entry per link (a tool call id or a text digest), at most ``max_links`` (least
-recently used out first); one per chain (its instructions and its last request), at most
+Memory: one entry per link (a tool call id or a text digest; ~90 bytes), at most ``max_links``
+(8 per chain by default; the least recently used out first, within a generation's span: see
+``_Links``); one per chain (its instructions and its last request), at most
 ``max_chains``; per principal its last ``RECENT_ANSWERS`` answers' stretches (at most
 ``PROBES * PROBE_CHARS`` characters each) and its learned side prompts.
 """
@@ -271,6 +272,51 @@ def user_key(text: str) -> UserKey:
     return (len(text), text_link(text) or "")
 
 
+class _Links:
+    """Which chain each (principal, link) was answered in: at most ``most`` entries, in two
+    generations of plain dicts keyed by one 64-bit digest (a link recorded or found goes to
+    the young one; a full young one becomes the old one, the old one dropped): ~90 bytes a
+    link where an ordered dict of (principal, link) strings took ~280, for eviction that is
+    least-recently-used within a generation's span."""
+
+    __slots__ = ("_half", "_old", "_young")
+
+    def __init__(self, most: int) -> None:
+        self._half = max(1, most // 2)
+        self._young: dict[int, str] = {}
+        self._old: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    @staticmethod
+    def _key(principal: str, link: str) -> int:
+        digest = hashlib.blake2b(f"{principal}\x00{link}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+    def get(self, principal: str, link: str) -> str | None:
+        key = self._key(principal, link)
+        chain = self._young.get(key)
+        if chain is None:
+            chain = self._old.pop(key, None)
+            if chain is not None:
+                self._put(key, chain)
+        return chain
+
+    def record(self, principal: str, link: str, chain: str) -> None:
+        """``link`` was answered in ``chain``: in another chain before, it links neither."""
+        key = self._key(principal, link)
+        known = self._young.get(key)
+        if known is None:
+            known = self._old.pop(key, None)
+        self._put(key, chain if known in (None, chain) else _AMBIGUOUS)
+
+    def _put(self, key: int, chain: str) -> None:
+        self._young[key] = chain
+        if len(self._young) >= self._half:
+            self._old, self._young = self._young, {}
+
+
 @dataclass(slots=True)
 class _Chain:
     """A chain: its instructions' digest, and its last main request's last user message (its
@@ -288,10 +334,10 @@ class AnswerChains:
         if max_chains < 1:
             raise ValueError("max_chains must be at least 1")
         self._max_chains = max_chains
-        self._max_links = max_links or 16 * max_chains
+        self._max_links = max_links or 8 * max_chains
         self._chains: OrderedDict[str, _Chain] = OrderedDict()
         #: (principal, link) -> chain, or _AMBIGUOUS
-        self._links: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._links = _Links(self._max_links)
         #: principal -> its last answers' (chain, stretches)
         self._recent: OrderedDict[str, deque[tuple[str, tuple[str, ...]]]] = OrderedDict()
         #: principal -> the links of the side prompts learned (the last MAX_SIDE_PROMPTS)
@@ -323,7 +369,7 @@ class AnswerChains:
     def _linked(self, principal: str, window: ChainWindow) -> tuple[str, Outcome] | None:
         for links in reversed(window.answers):
             found = {
-                c for c in (self._links.get((principal, link)) for link in links) if c is not None
+                c for c in (self._links.get(principal, link) for link in links) if c is not None
             }
             if not found:
                 continue  # an assistant message this server never wrote
@@ -377,11 +423,7 @@ class AnswerChains:
             return  # forgotten meanwhile
         links = answer.links()
         for link in links:
-            key = (principal, link)
-            known = self._links.get(key)
-            self._links[key] = chain if known in (None, chain) else _AMBIGUOUS
-            self._links.move_to_end(key)
-        self._bound(self._links, self._max_links)
+            self._links.record(principal, link, chain)
         if main:
             state.answered = tuple(links)
         stretches = probes(answer.text)

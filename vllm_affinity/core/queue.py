@@ -564,6 +564,10 @@ class SegmentedFreeBlockQueue:
             self._pending.difference_update(block_ids)
 
     # -- introspection ------------------------------------------------------------------------
+    def holds(self, block: Block) -> bool:
+        """Whether ``block`` is in the queue (in any segment), by its own links."""
+        return block.prev_free_block is not None
+
     def segment_of(self, block: Block) -> Segment | None:
         segment = self._segment_index(block)
         return None if segment == _OUT else Segment(segment)

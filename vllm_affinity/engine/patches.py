@@ -375,13 +375,21 @@ def _make_chain_utilities(max_sessions: int) -> tuple[Any, Any]:
 
 
 def affinity_check(self: Any, blocks: bool = False) -> dict[str, Any]:
-    """EngineCore utility: the invariants, checked between scheduler steps; with ``blocks``,
-    also every cached block's hash per group, as vLLM's KV events spell it (what a KV-aware
-    router's view of this engine must equal)."""
+    """EngineCore utility: the invariants, checked between scheduler steps within a bound
+    (``PoolAffinity.check``; ``checked`` says what this call covered); with ``blocks``, also
+    every cached block's hash per group, as vLLM's KV events spell it (what a KV-aware router's
+    view of this engine must equal)."""
     state = _engine_state(self)
     scheduler = self.scheduler
     idle = not scheduler.has_requests()
-    answer = {"idle": idle, "problems": state.check(idle), **state.stats(exact=True).model_dump()}
+    problems = state.check(idle, bounded=True)
+    exact = state.check_scope["holders"]  # each group's bindings walk every record too
+    answer = {
+        "idle": idle,
+        "problems": problems,
+        "checked": state.check_scope,
+        **state.stats(exact=exact).model_dump(),
+    }
     if blocks:
         answer["cached_blocks"] = cached_block_hashes(state.pool)
     return answer

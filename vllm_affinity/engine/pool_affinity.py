@@ -146,6 +146,12 @@ class _StepBind:
 #: Handouts that wait to be unbound (``blocks_handed_out``) at most, of one block and of many
 #: (a server whose requests name no session binds none and reads no state): then the states
 #: are settled at once.
+#: What one bounded check (``/affinity/check``, between two scheduler steps) walks at most: a
+#: rotating slice of this many blocks of a larger pool, and the session records (their holder
+#: counts, each group's bindings) only while there are at most this many (a walk of every
+#: record is ~1 s at 100k sessions).
+CHECK_BLOCKS = 16_384
+CHECK_RECORDS = 4_096
 _MAX_HANDED_ONE = 1024
 _MAX_HANDED = 1024
 
@@ -171,6 +177,9 @@ class PoolAffinity:
         #: the picker) and the scheduler steps run: ``/metrics`` shows the time per step.
         self.engine_ns = 0
         self.steps = 0
+        #: Where the next bounded check's slice of blocks starts, and what the last covered.
+        self._check_cursor = 0
+        self.check_scope: dict[str, Any] = {}
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._strip_group = get_block_hash
@@ -1138,18 +1147,44 @@ class PoolAffinity:
             },
         )
 
-    def check(self, idle: bool) -> list[str]:
+    def check(self, idle: bool, bounded: bool = False) -> list[str]:
         """Invariant violations of the pool, the queue and the session tables (empty when all
-        hold). ``idle``: no request is running, so nothing may be in use or pending."""
+        hold). ``idle``: no request is running, so nothing may be in use or pending.
+        ``bounded``: at most ``CHECK_BLOCKS`` blocks (the next slice of a larger pool, calls
+        rotating over it) and the holder counts only up to ``CHECK_RECORDS`` records;
+        ``check_scope`` says what the call covered."""
         queue = self.queue
-        problems = self.tables[0].check(self.tables[1:]) + self.subagents.check()
+        records = sum(len(table.latest) for table in self.tables)
+        holders = not bounded or records <= CHECK_RECORDS
+        problems = self.subagents.check()
+        if holders:
+            problems += self.tables[0].check(self.tables[1:])
         known = [set(table.latest) for table in self.tables]
         if any(k != known[0] for k in known):
             problems.append("the groups' session tables know different sessions")
         sizes = queue.segment_sizes()
         if sum(sizes.values()) != queue.num_free_blocks:
             problems.append(f"segments {sizes} do not sum to {queue.num_free_blocks} free")
-        free = {b.block_id for b in queue.get_all_free_blocks()}
+        blocks = self.pool.blocks
+        if not bounded or len(blocks) <= CHECK_BLOCKS:
+            start, stop = 0, len(blocks)
+            in_use = self._check_all_blocks(problems)
+        else:
+            start = self._check_cursor
+            stop = min(len(blocks), start + CHECK_BLOCKS)
+            self._check_cursor = 0 if stop == len(blocks) else stop
+            in_use = self._check_blocks(blocks[start:stop], problems)
+        if idle and (in_use or queue.num_pending or self._bound):
+            problems.append(
+                f"idle, yet {in_use} blocks in use, {queue.num_pending} pending, "
+                f"{len(self._bound)} requests bound"
+            )
+        self.check_scope = {"blocks": [start, stop], "of": len(blocks), "holders": holders}
+        return problems
+
+    def _check_all_blocks(self, problems: list[str]) -> int:
+        """Every block against the queue's own walk; the blocks in use."""
+        free = {b.block_id for b in self.queue.get_all_free_blocks()}
         in_use = 0
         for block in self.pool.blocks:
             if block.is_null:
@@ -1161,12 +1196,20 @@ class PoolAffinity:
         real = sum(1 for b in self.pool.blocks if not b.is_null)
         if len(free) + in_use != real:
             problems.append(f"{len(free)} free + {in_use} in use != {real} blocks")
-        if idle and (in_use or queue.num_pending or self._bound):
-            problems.append(
-                f"idle, yet {in_use} blocks in use, {queue.num_pending} pending, "
-                f"{len(self._bound)} requests bound"
-            )
-        return problems
+        return in_use
+
+    def _check_blocks(self, blocks: Sequence[Any], problems: list[str]) -> int:
+        """``blocks`` against their own queue links; the blocks of them in use."""
+        in_use = 0
+        for block in blocks:
+            if block.is_null:
+                continue
+            in_use += block.ref_cnt > 0
+            queued = self.queue.holds(block)
+            if (block.ref_cnt == 0) != queued:
+                where = "in" if queued else "not in"
+                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt}, {where} queue")
+        return in_use
 
 
 def affinity_of(pool: Any) -> PoolAffinity | None:
