@@ -83,10 +83,9 @@ async def ask(
 ) -> tuple[str, dict[str, Any]]:
     """One streamed call, as the agents make it: the answer's text and the usage. Sampled with
     a seed of the session's: sessions given the same window answer differently, as a real
-    model's would, and every run gets the same answers. ``seed`` ``None``: greedy (vLLM's CPU
-    engine dies on a seeded request whose prefill is split over steps, its CPU generator having
-    no offset to rewind: the many-user chat shapes answer greedily, each user's first message
-    their own)."""
+    model's would, and every run gets the same answers (``None``: greedy). vLLM's CPU engine
+    dies on a seeded request whose prefill is split over steps (its CPU generator has no offset
+    to rewind): the many-user chat shapes take turns (``Board``), one request at a time."""
     body: dict[str, Any] = {
         "model": SERVED_NAME,
         "messages": messages,
@@ -117,10 +116,26 @@ async def ask(
 @dataclass
 class Board:
     """What a run's users share: the app's greeting (model-written once, before the users
-    come) and each user's latest answer (what another user may paste)."""
+    come), each user's latest answer (what another user may paste), and their turn order: the
+    chat-UI shapes take turns in a fixed order, one user's step at a time, so that both sides
+    see the same sequence of requests (under concurrency the order, and with it vanilla's own
+    evictions, changes from run to run: vanilla computed 48.6k and 55.0k on two runs of one
+    cell)."""
 
     greeting: str = ""
     answers: dict[int, str] = field(default_factory=dict)
+    users: int = 1
+    _turn: int = 0
+    _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def wait_turn(self, n: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._turn == n)
+
+    async def pass_turn(self) -> None:
+        async with self._changed:
+            self._turn = (self._turn + 1) % self.users
+            self._changed.notify_all()
 
 
 async def agent(
@@ -187,7 +202,7 @@ async def webui(
     messages with no system prompt (the title and the tags after the first answer, follow-up
     suggestions after every answer)."""
     opening = [_user(f"Hello! I am user {n}.")]
-    await _chat_ui(client, n, shape, tally, board, opening, tasks=True, greedy=True)
+    await _chat_ui(client, n, shape, tally, board, opening, tasks=True, in_turn=True)
 
 
 async def greeting(
@@ -197,20 +212,19 @@ async def greeting(
     user's chat) under its system prompt."""
     system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
     greeted = [system, {"role": "assistant", "content": board.greeting}]
-    await _chat_ui(
-        client, n, shape, tally, board, [*greeted, _user(f"Hello! I am user {n}.")], greedy=True
-    )
+    opening = [*greeted, _user(f"Hello! I am user {n}.")]
+    await _chat_ui(client, n, shape, tally, board, opening, in_turn=True)
 
 
 async def lookalike(
     client: httpx.AsyncClient, n: int, shape: Shape, tally: Tally, board: Board
 ) -> None:
     """Users who look alike under one system prompt: the same first message answered alike
-    (greedily), regenerations and edits, and every sixth message a stretch of another user's
+    (one seed), regenerations and edits, and every sixth message a stretch of another user's
     latest answer pasted in."""
     system = {"role": "system", "content": filler_text(random.Random(1), shape.system_pairs)}
     opening = [system, _user("Hello!")]
-    await _chat_ui(client, n, shape, tally, board, opening, pastes=True, greedy=True)
+    await _chat_ui(client, n, shape, tally, board, opening, pastes=True, in_turn=True, same=True)
 
 
 def _user(text: str) -> dict[str, Any]:
@@ -241,21 +255,22 @@ async def _chat_ui(
     window: list[dict[str, Any]],
     tasks: bool = False,
     pastes: bool = False,
-    greedy: bool = False,
+    in_turn: bool = False,
+    same: bool = False,
 ) -> None:
     rng = random.Random(3000 + n)
     for step in range(1, shape.steps + 1):
-        seed = None if greedy else n * 10_000 + step
+        if in_turn:
+            await board.wait_turn(n)
+        seed = 7 if same and step == 1 else n * 10_000 + step
         answer, usage = await ask(client, window, shape.answer_tokens, False, seed)
         tally.add("main", usage)
         if step % 5 == 0:  # regenerate
-            again = None if seed is None else seed + 5000
-            answer, usage = await ask(client, window, shape.answer_tokens, False, again)
+            answer, usage = await ask(client, window, shape.answer_tokens, False, seed + 5000)
             tally.add("regenerate", usage)
         if step % 7 == 0:  # the last message edited
             window[-1] = _user(filler_text(rng, shape.output_pairs))
-            edited = None if seed is None else seed + 7000
-            answer, usage = await ask(client, window, shape.answer_tokens, False, edited)
+            answer, usage = await ask(client, window, shape.answer_tokens, False, seed + 7000)
             tally.add("edit", usage)
         window += [{"role": "assistant", "content": answer}]
         board.answers[n] = answer
@@ -271,7 +286,10 @@ async def _chat_ui(
         if step % 11 == 0 and len(window) > 6:  # an earlier message edited: a branch
             first = next(i for i, m in enumerate(window) if m["role"] == "user")
             window = [*window[: first + 2], _user(filler_text(rng, shape.output_pairs))]
-        await asyncio.sleep(rng.uniform(0, shape.think_s))
+        if in_turn:
+            await board.pass_turn()
+        else:
+            await asyncio.sleep(rng.uniform(0, shape.think_s))
 
 
 #: The traffic a grid runs: agents that name no session, a load test, chat UIs (a chat UI's
@@ -287,12 +305,12 @@ TRAFFIC = {
 
 
 async def run_sessions(base_url: str, sessions: int, shape: Shape, traffic: str) -> Tally:
-    tally, board = Tally(), Board()
+    tally, board = Tally(), Board(users=sessions)
     client_of = TRAFFIC[traffic]
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         if traffic == "greeting":  # the app's greeting, written once by the model
             board.greeting, usage = await ask(
-                client, [_user("Greet a new user of the app.")], shape.answer_tokens, False, None
+                client, [_user("Greet a new user of the app.")], shape.answer_tokens, False, 1
             )
             tally.add("greeting", usage)
         await asyncio.gather(*(client_of(client, n, shape, tally, board) for n in range(sessions)))
@@ -381,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines.append(
         "\nPrompt tokens differ between the sides where an answer did (vLLM's CPU sampling is "
-        "seeded or greedy, but a batch's make-up can change a logit's last bits)."
+        "seeded, but a batch's make-up can change a logit's last bits)."
     )
     result = {"shape": asdict(shape), "cells": cells}
     out = Path(args.out)

@@ -836,11 +836,12 @@ def segments_of(manager: Any, block_ids: list[int]) -> list[Segment]:
 def test_a_rewrite_sets_a_side_branch_apart_until_the_next_side_request() -> None:
     """A side request may return to its prefix (the Codex CLI's next compaction request
     re-sends the old one's leading items): a rewrite releases the main thread's dead blocks
-    and none of the side branch's."""
+    and none of the side branch's; those past its instructions are idled (reused after
+    released blocks, before any live session's) until the next side request settles them."""
     from vllm_affinity.core.compaction import settling_branch, side_branch
 
     manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 6
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.IDLE] * 4
     assert state.stats().block_released_compaction == 7  # the main thread's after its first
     assert side_branch("cc") not in state.sessions.latest
     assert settling_branch("cc") in state.sessions.latest
@@ -857,7 +858,7 @@ def test_the_next_side_request_of_its_kind_keeps_the_instructions_and_releases_t
 
     manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
     side_call(manager, tokens(7000, 3))  # another kind of side prompt: nothing in common
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 6
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.IDLE] * 4
     assert settling_branch("cc") in state.sessions.latest
     side_call(manager, [*tokens(5000, 1), *tokens(7100, 2)], head=BLOCK + 5)  # the same kind
     assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
@@ -907,6 +908,33 @@ def test_a_side_branch_that_carried_the_conversation_dies_with_the_old_window() 
     assert state.stats().block_released_compaction == 9  # the 7 shared with the main thread once
     assert side_branch("cc") not in state.sessions.latest
     assert settling_branch("cc") not in state.sessions.latest
+    assert_no_leak(manager)
+
+
+def test_a_side_branch_that_shares_only_the_instructions_is_not_the_conversation() -> None:
+    """The Codex CLI's compaction request shares the main thread's developer prompt (190 of
+    371 blocks: half of a short thread), then its own rendering (no tools): it did not carry
+    the conversation, whatever the share. Released whole, its next request (which re-sends
+    its leading items) would hit released blocks; it waits apart, its tail idled."""
+    from vllm_affinity.core.compaction import settling_branch, side_branch
+    from vllm_affinity.engine import REWRITE_KEY
+
+    manager = make_manager(40)
+    state = state_of(manager)
+    main = make_request([*tokens(0, 8), 1], session="cc")
+    run_prefill(manager, main)
+    manager.free(main)
+    side_ids = side_call(manager, [*tokens(0, 5), *tokens(6000, 3)], head=5 * BLOCK)
+    params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
+    compacted = make_request(
+        [*tokens(0, 5), *tokens(900, 2), 1], session="cc", sampling_params=params
+    )
+    state.on_new_request(compacted, release_on_divergence=False)
+    assert side_branch("cc") not in state.sessions.latest
+    assert settling_branch("cc") in state.sessions.latest
+    # its instructions (the main thread's too) stay; its own tail waits in IDLE
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 5 + [Segment.IDLE] * 3
+    assert state.stats().block_released_compaction == 3  # the main thread's dead blocks
     assert_no_leak(manager)
 
 

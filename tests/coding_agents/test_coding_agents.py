@@ -307,3 +307,21 @@ def test_claude_code_empty_answers_are_retried_and_release_only_what_is_dead(
     # nothing released was needed again
     steps = (first, empty, after, compact, rewrite, later)
     assert sum(step["released_hit"] for step in steps) == 0, later.after
+
+
+def test_codex_short_turns_auto_compact_and_release_nothing_live(
+    codex_cli: CodexCli, watch: Callable[[], Delta]
+) -> None:
+    """``model_auto_compact_token_limit = 8000`` (a documented setting; small local models
+    compact early) with short turns: Codex compacts every few turns. Each compaction releases
+    the old window's dead blocks; what the next compaction request sends again (Codex's
+    developer items, its environment context, the user's turns) is never among them."""
+    watch()
+    steps = []
+    for number in range(1, 5):
+        codex_cli.ask(f"question {number} about the plan", compact_at=8000)
+        steps.append(watch())
+    rewrites = sum(step["windows.rewrite"] for step in steps)
+    assert rewrites >= 2, [s.changed() for s in steps]
+    assert sum(released(step) for step in steps) > 0, [s.changed() for s in steps]
+    assert sum(step["released_hit"] for step in steps) == 0, [s.changed() for s in steps]

@@ -7,10 +7,11 @@ Claude Code trace, issue 31). So the end releases after them, as the hook's ``en
 does on the client.
 
 The instructions' length is found by rendering, with vLLM's own renderer, the request's
-instructions (leading system/developer messages, or the Responses API's ``instructions``) and
-tools twice, each followed by a different one-word user message: the tokens the two renders
-share are exactly what any conversation with these instructions starts with, whatever the chat
-template does with tools or turn markers. Once per session (bounded, least recently used out);
+instructions (leading system/developer messages, or the Responses API's ``instructions`` and
+leading system/developer items, where the Codex CLI puts its own) and tools twice, each followed
+by a different one-word user message: the tokens the two renders share are exactly what any
+conversation with these instructions starts with, whatever the chat template does with tools or
+turn markers. Once per session (bounded, least recently used out);
 a render that fails gives 0 (the end then releases everything, as before), never an error.
 
 On a hybrid model every request's instruction length is the position where the engine keeps
@@ -97,10 +98,10 @@ def instructions_key(request: Any) -> str | None:
     if hasattr(request, "messages"):
         parts: list[Any] = [_chat_head(request), request.tools]
     elif hasattr(request, "input"):
-        parts = [request.instructions, request.tools]
+        parts = [[request.instructions, *_responses_head(request)], request.tools]
     else:
         return None
-    if not parts[0] and not parts[1]:
+    if not any(parts[0]) and not parts[1]:
         return None
     text = json.dumps(parts, sort_keys=True, default=_plain)
     return "instructions:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
@@ -114,8 +115,19 @@ def _plain(value: Any) -> Any:
 
 def _chat_head(request: Any) -> list[Any]:
     """The leading instruction messages (system, developer) of a chat request."""
+    return _leading_instructions(request.messages or [])
+
+
+def _responses_head(request: Any) -> list[Any]:
+    """The leading instruction items (system, developer messages) of a Responses request's
+    ``input``: the Codex CLI puts its instructions there, not in ``instructions``."""
+    items = request.input
+    return _leading_instructions(items) if isinstance(items, list) else []
+
+
+def _leading_instructions(messages: list[Any]) -> list[Any]:
     head = []
-    for message in request.messages or []:
+    for message in messages:
         role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
         if role not in INSTRUCTION_ROLES:
             break
@@ -135,12 +147,13 @@ def _chat_probes(request: Any) -> tuple[Any, Any] | None:
 
 
 def _responses_probes(request: Any) -> tuple[Any, Any] | None:
-    if not request.instructions and not request.tools:
+    head = _responses_head(request)
+    if not request.instructions and not head and not request.tools:
         return None
     return tuple(  # type: ignore[return-value]
         request.model_copy(
             update={
-                "input": [{"role": "user", "content": probe}],
+                "input": [*head, {"role": "user", "content": probe}],
                 "previous_response_id": None,
             }
         )

@@ -369,16 +369,17 @@ class SessionBlocks:
         released, kept = self._let_go(record, first_block)
         return ReleaseSelection(released, kept)
 
-    def select_idle(self, session: str) -> ReleaseSelection:
-        """The blocks of ``session``'s latest request that it alone holds, tail first (the order
-        LRU gives them up in): the ones to reuse early while it waits on its user. Unlike a
-        release, the session keeps holding them. Status ``running`` while its request runs."""
+    def select_idle(self, session: str, first_block: int = 0) -> ReleaseSelection:
+        """The blocks of ``session``'s latest request, from block index ``first_block`` on, that
+        it alone holds, tail first (the order LRU gives them up in): the ones to reuse early
+        while it waits on its user. Unlike a release, the session keeps holding them. Status
+        ``running`` while its request runs."""
         record = self.latest.get(session)
         if record is None:
             return ReleaseSelection(status="unknown_session")
         if record.request_id is not None:
             return ReleaseSelection(status="running")
-        ids, live = self._live(record, 0, record.held)
+        ids, live = self._live(record, min(first_block, record.held), record.held)
         alone = self._alone(ids)
         own = ids[live & alone][::-1].tolist()
         return ReleaseSelection(own, int((live & ~alone).sum()))

@@ -572,11 +572,13 @@ class PoolAffinity:
         """A compaction told from the agent's own requests (``core/compaction.py``): the main
         thread's blocks ``chain`` cannot hit, also when ``chain`` shares no block with them (the
         agent said the old window is gone), and a retry's replaced window past what ``chain``
-        hits, in one release. The session's side branch goes too when it carried the old
-        conversation (Qwen Code's suggestion: the window and one message); one with a prompt
-        of its own (a memory extractor, the Codex CLI's tool-less compaction request) is set
-        apart to be settled by the next side request of its kind (``_settle_side``): it may
-        return to its prefix."""
+        hits, in one release. The session's side branch goes too when it carried the whole old
+        prompt (Qwen Code's suggestion: the window and one message). One that carried less (a
+        memory extractor or opencode's summarizer under a prompt of their own, the Codex CLI's
+        tool-less compaction request, whose developer items, environment and user turns the
+        next one sends again) is set apart, its blocks past its instructions idled at once
+        (reused after released blocks, before any live session's), to be settled by the next
+        side request of its kind (``_settle_side``), which releases what it does not hit."""
         also: list[ReleaseSelection] = []
         side = side_branch(session)
         if side in self.sessions.latest and self._carried_conversation(side, session):
@@ -584,7 +586,9 @@ class PoolAffinity:
             for table in self.tables:
                 table.forget(side)
         else:
-            self._move_branch(side, settling_branch(session))
+            settling = settling_branch(session)
+            self._move_branch(side, settling)
+            self._idle_past_head(settling)
         retried = retried_branch(session)
         if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
             firsts = self._first_stale(retried, chain)
@@ -594,10 +598,11 @@ class PoolAffinity:
         return self.release_divergent(session, chain, "compaction", also=also)
 
     def _carried_conversation(self, branch: str, session: str) -> bool:
-        """Whether ``branch``'s latest request started with at least half of ``session``'s
-        blocks (in the first group that holds both): the conversation, not a prompt of its own
-        whose first block a template may render alike (tools first)."""
-        for table in self.tables:
+        """Whether ``branch``'s latest request started with every whole block of ``session``'s
+        latest prompt (in the first group that holds both): the conversation, not only the
+        instructions they share (the Codex CLI's compaction request shares its developer prompt,
+        190 of 371 blocks, its tools rendered apart)."""
+        for table, group in zip(self.tables, self.groups, strict=True):
             side = table.latest.get(branch)
             main = table.latest.get(session)
             if side is None or main is None or not main.block_ids:
@@ -607,8 +612,19 @@ class PoolAffinity:
                 if side_id != main_id or side_id == HOLE:
                     break
                 shared += 1
-            return shared > 0 and 2 * shared >= len(main.block_ids)
+            whole = min(len(main.block_ids), main.num_prompt_tokens // group.block_size)
+            return shared > 0 and shared >= whole
         return False
+
+    def _idle_past_head(self, branch: str) -> None:
+        """``branch``'s own blocks past its instructions (its recorded head) go to IDLE."""
+        head = self._side_heads.get(branch, 0)
+        selections = [
+            table.select_idle(branch, group.blocks_holding(head))
+            for table, group in zip(self.tables, self.groups, strict=True)
+        ]
+        if selections[0].status == "ok":
+            self._move_to_idle(selections)
 
     def _move_branch(self, branch: str, to: str) -> None:
         """``branch``'s finished record (and its instruction length) becomes ``to``'s."""
