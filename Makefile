@@ -129,7 +129,7 @@ $(LONG_MODEL): $(SERVER) vllm_affinity/testing/tiny_model.py
 
 # The hybrid models (sliding window or linear attention beside full attention) the hybrid tests
 # serve: random weights, built once each (seconds; gpt-oss's 201k-token tokenizer the longest).
-HYBRID_ARCHS  := gpt-oss gemma3 mistral qwen3-next
+HYBRID_ARCHS  := gpt-oss gemma3 mistral qwen3-next linear-only
 HYBRID_MODELS := $(foreach arch,$(HYBRID_ARCHS),.cache/tiny-$(arch)/jiuwen-recipe.json)
 .cache/tiny-%/jiuwen-recipe.json: $(SERVER) vllm_affinity/testing/tiny_model.py vllm_affinity/testing/hybrid_model.py
 	$(PY) -m vllm_affinity build-model --arch $*

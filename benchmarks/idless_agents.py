@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=Shape.steps)
     parser.add_argument("--out", default="benchmarks/results/idless_agents.json")
     args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.idless_agents", *given])
     shape = Shape(steps=args.steps)
     traffics = args.traffic.split(",")
     unknown = set(traffics) - set(TRAFFIC)
@@ -385,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cell['plugin']['computed']} (x{cell['ratio']})", flush=True)  # fmt: skip
         cells.append(cell)
     lines = [
+        f"Command: `{command}`",
+        "",
         "| traffic | sessions | pool (blocks) | prompt (vanilla / plugin) | vanilla computed | "
         "plugin computed | ratio | released | released hit | chains continued / started |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -5,8 +5,8 @@ on), the same traffic through each, at a tight pool and a loose one.
 Open WebUI names no session and sends no system prompt by default; after a chat's first answer
 it asks the model for the chat's title and tags, and after every answer for follow-up
 suggestions, each one user message quoting the chat's last messages (its own task prompts,
-through its task endpoints). Several users chat at once through its HTTP API, each chat with
-regenerations, an edited last message and an edited earlier one (a branch). Where a guess
+through its task endpoints). Several users chat through its HTTP API, taking turns, each chat
+with regenerations, an edited last message and an edited earlier one (a branch). Where a guess
 could join two users' chats or release a live one, the plugin must not: reported per side are
 the prompt tokens vLLM computed (not read from the prefix cache; from vLLM's own counters), and
 for the plugin the blocks released, released blocks hit again, and how it linked the requests.
@@ -25,6 +25,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -159,16 +160,18 @@ class Traffic:
     tasks: dict[str, int] = field(default_factory=dict)
 
 
-async def _ask(client: httpx.AsyncClient, messages: list[dict[str, Any]], traffic: Traffic) -> str:
-    """A chat request, answered greedily: vLLM's CPU engine dies on a seeded request whose
-    prefill is split over steps (its CPU generator has no offset to rewind), and an unseeded
-    sample would make the two sides' chats differ."""
+async def _ask(
+    client: httpx.AsyncClient, messages: list[dict[str, Any]], seed: int, traffic: Traffic
+) -> str:
+    """A chat request, sampled with a seed of the user's (the two sides get the same answers;
+    users answer differently, as a real model's would)."""
     body = {
         "model": SERVED_NAME,
         "messages": messages,
         "stream": False,
         "max_tokens": 24,
-        "temperature": 0.0,
+        "temperature": 1.0,
+        "seed": seed,
     }
     reply = await client.post("/api/chat/completions", json=body)
     reply.raise_for_status()
@@ -186,32 +189,46 @@ async def _task(
     t.tasks[kind] = t.tasks.get(kind, 0) + 1
 
 
-async def _user(client: httpx.AsyncClient, n: int, turns: int, traffic: Traffic) -> None:
-    """One user's chat: a turn per answer, the title and tags after the first, follow-ups after
-    each; the third turn regenerated, the fourth's message edited, the fifth a branch (the
-    first message's answer kept, what followed replaced)."""
-    rng = random.Random(500 + n)
-    chat: list[dict[str, Any]] = [{"role": "user", "content": f"Hello! I am user {n}."}]
-    for turn in range(1, turns + 1):
-        answer = await _ask(client, chat, traffic)
+@dataclass
+class _User:
+    """One user's chat: a turn per answer, the title and tags after the first, follow-ups
+    after each; the third turn regenerated, the fourth's message edited, the fifth a branch
+    (the first message's answer kept, what followed replaced)."""
+
+    n: int
+    chat: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(500 + self.n)
+        self.chat = [{"role": "user", "content": f"Hello! I am user {self.n}."}]
+
+    async def turn(self, client: httpx.AsyncClient, turn: int, traffic: Traffic) -> None:
+        chat, seed = self.chat, self.n * 1000 + turn
+        answer = await _ask(client, chat, seed, traffic)
         if turn == 3:  # regenerate
-            answer = await _ask(client, chat, traffic)
+            answer = await _ask(client, chat, seed + 500, traffic)
         if turn == 4:  # the last message edited
-            chat[-1] = {"role": "user", "content": filler_text(rng, 24)}
-            answer = await _ask(client, chat, traffic)
+            chat[-1] = {"role": "user", "content": filler_text(self.rng, 24)}
+            answer = await _ask(client, chat, seed + 700, traffic)
         chat.append({"role": "assistant", "content": answer})
         kinds = ("title", "tags", "follow_up") if turn == 1 else ("follow_up",)
         for kind in kinds:
-            await _task(client, kind, f"chat-{n}", chat, traffic)
-        chat.append({"role": "user", "content": filler_text(rng, 24)})
+            await _task(client, kind, f"chat-{self.n}", chat, traffic)
+        chat.append({"role": "user", "content": filler_text(self.rng, 24)})
         if turn == 5:  # an earlier message edited: the chat goes on from there
-            chat = [*chat[:2], {"role": "user", "content": filler_text(rng, 24)}]
+            self.chat = [*chat[:2], {"role": "user", "content": filler_text(self.rng, 24)}]
 
 
 async def _drive(owui: OpenWebUI, users: int, turns: int) -> Traffic:
+    """The users take turns, one at a time in a fixed order: both sides see the same sequence
+    of requests (under concurrency vanilla's own evictions change from run to run, and vLLM's
+    CPU engine dies on a seeded request whose prefill is split over steps)."""
     traffic = Traffic()
+    chats = [_User(n) for n in range(users)]
     async with httpx.AsyncClient(base_url=owui.root_url, headers=owui.headers, timeout=300) as c:
-        await asyncio.gather(*(_user(c, n, turns, traffic) for n in range(users)))
+        for turn in range(1, turns + 1):
+            for user in chats:
+                await user.turn(c, turn, traffic)
     return traffic
 
 
@@ -249,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", default="20,48", help="blocks per user, comma-separated")
     parser.add_argument("--out", default="benchmarks/results/open_webui.json")
     args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.open_webui", *given])
     cells = []
     for per_user in (int(p) for p in args.pools.split(",")):
         pool = per_user * args.users
@@ -261,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{cell['plugin']['computed']} (x{cell['ratio']})", flush=True)  # fmt: skip
         cells.append(cell)
     lines = [
+        f"Command: `{command}`",
+        "",
         "| users | pool (blocks) | prompt (vanilla / plugin) | vanilla computed | "
         "plugin computed | ratio | released | released hit | chains started / continued / side "
         "| chat requests (carrying an answer) | task requests |",

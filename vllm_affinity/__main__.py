@@ -6,7 +6,7 @@ Starts vLLM's OpenAI-compatible server with both plugin halves enabled (``VLLM_P
 
     python -m vllm_affinity serve .cache/tiny-llama --block-size 32 --port 8000
     python -m vllm_affinity build-model            # the small local model (prints its folder)
-    python -m vllm_affinity build-model --arch gpt-oss   # or gemma3, mistral, qwen3-next
+    python -m vllm_affinity build-model --arch gpt-oss   # gemma3, mistral, qwen3-next, linear-only
     python -m vllm_affinity nginx-config --upstream 10.0.0.1:8000 --upstream 10.0.0.2:8000
                                                    # nginx routing sessions to replicas
 

@@ -805,24 +805,23 @@ def side_call(manager: Any, prompt: list[int], head: int = 0) -> list[int]:
 
 
 def rewrite_with_side_branch(
-    side_blocks: int, head: int = 0, same_start: bool = False
+    side: list[int], side_head: int, kept: int, head: int = 2 * BLOCK
 ) -> tuple[Any, Any, list[int]]:
-    """A main thread of 8 blocks and a side request of ``side_blocks`` blocks (its own prompt,
-    of which ``head`` tokens are instructions as the API server told; ``same_start``: it starts
-    with the main thread's first block instead), then the main thread's compacted window (its
-    first block kept) told as a rewrite."""
-    from vllm_affinity.engine import REWRITE_KEY
+    """A main thread of 8 blocks (its first two its instructions, ``head`` tokens), a side
+    request ``side`` (``side_head`` tokens of it instructions, as the API server told), then
+    the main thread's compacted window told as a rewrite: its first ``kept`` blocks, then a
+    summary of two blocks."""
+    from vllm_affinity.engine import HEAD_KEY, REWRITE_KEY
 
     manager = make_manager(40)
     state = state_of(manager)
     main = make_request([*tokens(0, 8), 1], session="cc")
     run_prefill(manager, main)
     manager.free(main)
-    start = tokens(0, 1) if same_start else tokens(5000, 1)
-    side_ids = side_call(manager, [*start, *tokens(6000, side_blocks - 1)], head)
-    params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
+    side_ids = side_call(manager, side, side_head)
+    params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite", HEAD_KEY: head})
     compacted = make_request(
-        [*tokens(0, 1), *tokens(900, 2), 1], session="cc", sampling_params=params
+        [*tokens(0, kept), *tokens(900, 2), 1], session="cc", sampling_params=params
     )
     state.on_new_request(compacted, release_on_divergence=False)
     return manager, state, side_ids
@@ -833,64 +832,59 @@ def segments_of(manager: Any, block_ids: list[int]) -> list[Segment]:
     return [state.queue.segment_of(manager.block_pool.blocks[b]) for b in block_ids]
 
 
-def test_a_rewrite_sets_a_side_branch_apart_until_the_next_side_request() -> None:
-    """A side request may return to its prefix (the Codex CLI's next compaction request
-    re-sends the old one's leading items): a rewrite releases the main thread's dead blocks
-    and none of the side branch's; those past its instructions are idled (reused after
-    released blocks, before any live session's) until the next side request settles them."""
-    from vllm_affinity.core.compaction import settling_branch, side_branch
+def test_a_rewrite_releases_a_side_prompts_copy_of_the_conversation_keeping_its_own() -> None:
+    """opencode's summarizer, a memory extractor: a prompt of their own (2 blocks and 5
+    tokens), then the conversation. The new window keeps only the main thread's instructions:
+    at the rewrite, decided then, the side branch keeps its instructions (the block straddling
+    their end included) and the rest goes with the main thread's dead blocks."""
+    from vllm_affinity.core.compaction import side_branch
 
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.IDLE] * 4
-    assert state.stats().block_released_compaction == 7  # the main thread's after its first
+    side = [*tokens(5000, 2), *tokens(6000, 4)]
+    manager, state, side_ids = rewrite_with_side_branch(side, 2 * BLOCK + 5, kept=2)
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 3 + [Segment.RELEASED] * 3
+    stats = state.stats()
+    assert stats.releases_compaction == 1 and stats.block_released_compaction == 6 + 3
     assert side_branch("cc") not in state.sessions.latest
-    assert settling_branch("cc") in state.sessions.latest
+    # the summarizer's next request (its prompt, a new conversation) hits its instructions
+    hit = manager.get_computed_blocks(make_request([*side[: 3 * BLOCK], *tokens(7000, 1), 1]))
+    assert hit[1] == 3 * BLOCK and state.stats().released_hit == 0
     assert_no_leak(manager)
 
 
-def test_the_next_side_request_of_its_kind_keeps_the_instructions_and_releases_the_rest() -> None:
-    """Qwen Code's memory extractor, opencode's summarizer, Claude Code's title request: a
-    prompt of their own, sent again with the same instructions and a new conversation. A side
-    request of another kind (nothing in common) settles nothing; the next one of the same kind
-    settles the old: what followed its instructions is released, the blocks that hold them
-    kept (the one straddling their end included)."""
-    from vllm_affinity.core.compaction import settling_branch
-
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK + 5)
-    side_call(manager, tokens(7000, 3))  # another kind of side prompt: nothing in common
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.IDLE] * 4
-    assert settling_branch("cc") in state.sessions.latest
-    side_call(manager, [*tokens(5000, 1), *tokens(7100, 2)], head=BLOCK + 5)  # the same kind
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
-    stats = state.stats()
-    assert stats.releases_compaction == 2 and stats.block_released_compaction == 7 + 4
-    assert settling_branch("cc") not in state.sessions.latest
-    assert stats.released_hit == 0
-    assert_no_leak(manager)
-
-
-def test_the_next_side_request_keeps_what_it_hits_of_the_old_one() -> None:
-    """The Codex CLI's compaction requests: tool-less, the window's leading items word for
-    word, then the compaction prompt. The next window's compaction request re-sends the
-    leading items (past the instructions): the old request's blocks it hits stay cached and
-    are hit, nothing released is hit again, the rest is released."""
-    manager, state, side_ids = rewrite_with_side_branch(side_blocks=6, head=BLOCK)
-    leading = [*tokens(5000, 1), *tokens(6000, 2)]  # the old side's first 3 blocks
-    side_call(manager, [*leading, *tokens(8000, 2)], head=BLOCK)
-    assert segments_of(manager, side_ids[3:]) == [Segment.RELEASED] * 3
-    stats = state.stats()
-    assert stats.block_released_compaction == 7 + 3 and stats.released_hit == 0
+def test_a_rewrite_keeps_what_the_new_window_still_carries_of_a_side_requests_items() -> None:
+    """The Codex CLI's compaction request: the developer prompt (the main thread's 2 blocks),
+    then the environment and the user's first turn rendered without tools (one block of its
+    own), then the rest of the conversation and the compaction prompt. Its compacted window
+    keeps the environment and the user's turns (one block past the instructions), and its
+    next compaction request sends them again: kept (one block more for the renderings'
+    differences), the rest released, nothing released hit again."""
+    side = [*tokens(0, 2), *tokens(6000, 1), *tokens(6100, 3)]
+    manager, state, side_ids = rewrite_with_side_branch(side, 2 * BLOCK, kept=3)
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 4 + [Segment.RELEASED] * 2
+    assert state.stats().block_released_compaction == 5 + 2
+    leading = side[: 3 * BLOCK]
     hit = manager.get_computed_blocks(make_request([*leading, *tokens(9000, 1), 1]))[1]
-    assert hit == 3 * BLOCK
+    assert hit == 3 * BLOCK and state.stats().released_hit == 0
+    assert_no_leak(manager)
+
+
+def test_a_side_branch_that_shares_only_the_instructions_is_not_the_conversation() -> None:
+    """The Codex CLI's compaction request shares the main thread's developer prompt (190 of
+    371 blocks: half of a short thread), then its own rendering (no tools): it did not carry
+    the conversation, whatever the share. Released whole, its next request (which re-sends
+    its leading items) would hit released blocks."""
+    side = [*tokens(0, 5), *tokens(6000, 3)]
+    manager, state, side_ids = rewrite_with_side_branch(side, 5 * BLOCK, kept=5, head=5 * BLOCK)
+    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 5 + [Segment.RELEASED] * 3
+    assert state.stats().block_released_compaction == 3 + 3
     assert_no_leak(manager)
 
 
 def test_a_side_branch_that_carried_the_conversation_dies_with_the_old_window() -> None:
     """A side request that starts with the main thread's window (Qwen Code's next-prompt
     suggestion: the conversation and one message) carried the old conversation: the rewrite
-    releases it whole, but for the first block, which the new window still holds. One that
-    shares only a first block (a prompt of its own, tools rendered first alike) waits."""
-    from vllm_affinity.core.compaction import settling_branch, side_branch
+    releases it whole, but for the first block, which the new window still holds."""
+    from vllm_affinity.core.compaction import side_branch
     from vllm_affinity.engine import REWRITE_KEY
 
     manager = make_manager(40)
@@ -907,41 +901,19 @@ def test_a_side_branch_that_carried_the_conversation_dies_with_the_old_window() 
     assert segments_of(manager, side_ids) == [Segment.NORMAL] + [Segment.RELEASED] * 9
     assert state.stats().block_released_compaction == 9  # the 7 shared with the main thread once
     assert side_branch("cc") not in state.sessions.latest
-    assert settling_branch("cc") not in state.sessions.latest
     assert_no_leak(manager)
 
 
-def test_a_side_branch_that_shares_only_the_instructions_is_not_the_conversation() -> None:
-    """The Codex CLI's compaction request shares the main thread's developer prompt (190 of
-    371 blocks: half of a short thread), then its own rendering (no tools): it did not carry
-    the conversation, whatever the share. Released whole, its next request (which re-sends
-    its leading items) would hit released blocks; it waits apart, its tail idled."""
-    from vllm_affinity.core.compaction import settling_branch, side_branch
-    from vllm_affinity.engine import REWRITE_KEY
-
-    manager = make_manager(40)
-    state = state_of(manager)
-    main = make_request([*tokens(0, 8), 1], session="cc")
-    run_prefill(manager, main)
-    manager.free(main)
-    side_ids = side_call(manager, [*tokens(0, 5), *tokens(6000, 3)], head=5 * BLOCK)
-    params = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
-    compacted = make_request(
-        [*tokens(0, 5), *tokens(900, 2), 1], session="cc", sampling_params=params
-    )
-    state.on_new_request(compacted, release_on_divergence=False)
-    assert side_branch("cc") not in state.sessions.latest
-    assert settling_branch("cc") in state.sessions.latest
-    # its instructions (the main thread's too) stay; its own tail waits in IDLE
-    assert segments_of(manager, side_ids) == [Segment.NORMAL] * 5 + [Segment.IDLE] * 3
-    assert state.stats().block_released_compaction == 3  # the main thread's dead blocks
-    assert_no_leak(manager)
-
-
-def agent_call(manager: Any, prompt: list[int], key: str | None = None) -> list[int]:
+def agent_call(manager: Any, prompt: list[int], key: str | None = None, head: int = 0) -> list[int]:
     """One finished call of session ``cc`` whose request carries the API server's ``key`` (a
-    retry's or a rewrite's), through the engine's request hook: its block ids."""
-    params = SamplingParams(max_tokens=4, extra_args={key: "x"} if key else None)
+    retry's or a rewrite's; ``head``: its instructions' tokens, as the API server tells a
+    rewrite's), through the engine's request hook: its block ids."""
+    from vllm_affinity.engine import HEAD_KEY
+
+    extra: dict[str, Any] = {key: "x"} if key else {}
+    if head:
+        extra[HEAD_KEY] = head
+    params = SamplingParams(max_tokens=4, extra_args=extra or None)
     request = make_request([*prompt, 1], session="cc", sampling_params=params)
     state_of(manager).on_new_request(request, release_on_divergence=False)
     blocks = run_prefill(manager, request)
@@ -1000,9 +972,10 @@ def test_a_rewrite_after_a_retry_releases_both_windows_in_one_release() -> None:
 
 def test_a_compaction_with_a_side_branch_and_a_retried_window_releases_every_dead_block() -> None:
     """Claude Code's usual compaction: a side request each turn, the compaction request sent
-    twice (a retry), then the new window (a rewrite). The rewrite releases the main thread's
-    and the replaced window's dead blocks, each counted; the next side request settles the
-    side branch. Every dead block ends in RELEASED and is counted once; none is hit again."""
+    twice (a retry), then the new window (a rewrite, its instructions the first 2 blocks). The
+    rewrite releases the main thread's and the replaced window's dead blocks, and the side
+    branch's copy of the old conversation (its own prompt kept). Every dead block ends in
+    RELEASED and is counted once; none is hit again."""
     from vllm_affinity.engine import RETRY_KEY, REWRITE_KEY
 
     manager = make_manager(60)
@@ -1011,15 +984,14 @@ def test_a_compaction_with_a_side_branch_and_a_retried_window_releases_every_dea
     side = side_call(manager, [*tokens(5000, 1), *tokens(100, 3)], head=BLOCK)  # title request
     first = agent_call(manager, [*prefix, *tokens(100, 4), *tokens(500, 1)])
     second = agent_call(manager, [*prefix, *tokens(100, 4), *tokens(600, 1)], RETRY_KEY)
-    agent_call(manager, [*prefix, *tokens(900, 2)], REWRITE_KEY)
+    agent_call(manager, [*prefix, *tokens(900, 2)], REWRITE_KEY, head=2 * BLOCK)
     stats = state.stats()
     dead = {*first[2:7], *second[2:7]}
-    assert stats.block_released_compaction == len(dead) == 6
+    assert stats.block_released_compaction == len(dead) + 3 == 6 + 3
     assert set(segments_of(manager, sorted(dead))) == {Segment.RELEASED}
+    assert segments_of(manager, side) == [Segment.NORMAL] + [Segment.RELEASED] * 3
     side_call(manager, [*tokens(5000, 1), *tokens(700, 1)], head=BLOCK)  # the next turn's
     stats = state.stats()
-    assert stats.block_released_compaction == 6 + 3  # and the side branch's old conversation
-    assert segments_of(manager, side) == [Segment.NORMAL] + [Segment.RELEASED] * 3
     assert stats.released_hit == 0
     assert state.check(idle=False) == []
     assert_no_leak(manager)

@@ -294,12 +294,12 @@ def test_a_model_with_no_cacheable_group_starts_all_the_same() -> None:
     assert len(state_of(manager).groups) == 1
 
 
-def test_a_side_branch_is_settled_by_its_next_request_in_every_group() -> None:
+def test_a_rewrite_releases_the_side_branchs_conversation_in_every_group() -> None:
     """gpt-oss's shape (sliding window beside full attention): a coding agent's compaction,
-    told by the rule (``kv_rewrite``), releases the main thread's dead blocks in both groups and
-    sets its side branch apart; the next side request of its kind (its instructions, ``kv_head``:
-    1.5 blocks, then another conversation) releases what followed them, in both groups;
-    the blocks holding the instructions stay in both. One of another kind settles nothing."""
+    told by the rule (``kv_rewrite``, its instructions one block), releases the main thread's
+    dead blocks and its side branch's past the side's own instructions (``kv_head``: 1.5
+    blocks), in both groups, decided then; the blocks holding the side's instructions stay in
+    both, and its next request of that kind hits them."""
     from vllm_affinity.core.compaction import side_branch
     from vllm_affinity.engine import HEAD_KEY, REWRITE_KEY
 
@@ -317,20 +317,18 @@ def test_a_side_branch_is_settled_by_its_next_request_in_every_group() -> None:
 
     side_request(tokens(5000, 6))
     side_held = held(state, side_branch("cc"))
-    rewrite = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite"})
+    rewrite = SamplingParams(max_tokens=4, extra_args={REWRITE_KEY: "rewrite", HEAD_KEY: BLOCK})
     compacted = make_request(
         [*tokens(0, 1), *tokens(900, 2)], session="cc", sampling_params=rewrite
     )
     state.on_new_request(compacted, release_on_divergence=False)
-    assert [g.blocks_released for g in state.group_stats()] == [7, 7]  # the main thread's
-    side_request(tokens(7000, 2))  # another kind of side request: settles nothing
-    assert [g.blocks_released for g in state.group_stats()] == [7, 7]
-    side_request([*tokens(5000, 2), *tokens(7100, 1)])  # the same kind: its instructions
     for group in side_held:  # 6 prompt blocks; the partial answer block is uncached (FREE)
         segments = [state.queue.segment_of(manager.block_pool.blocks[b]) for b in group[:6]]
         assert segments == [Segment.NORMAL] * 2 + [Segment.RELEASED] * 4
     # per group: the main thread's 7 dead prompt blocks and the side branch's 4
     assert [g.blocks_released for g in state.group_stats()] == [7 + 4, 7 + 4]
+    side_request([*tokens(5000, 2), *tokens(7100, 1)])  # the same kind: its instructions hit
+    assert state.stats().released_hit == 0
     assert not state.check(idle=True)
 
 

@@ -46,6 +46,7 @@ NAMED_RUNS = {
     "hybrid_replay_gpt_oss": "trace_replay --model tiny-gpt-oss, documented in its docstring",
     "hybrid_replay_qwen3_next": "the same on tiny-qwen3-next: benchmarks.md's hybrid replay",
     "idless_traffic": "idless_agents --traffic one-shot,chat --out ...: coding-agents.md",
+    "idless_chat_uis": "idless_agents --traffic webui,greeting,lookalike --out ...: ditto",
     "fleet_agents": "fleet_bench --scenarios ...agent_headers...: deployment.md's fleet table",
 }
 COMPARE = "compare"  # benchmarks/compare_all.py's own folder: compare.md and one set per run

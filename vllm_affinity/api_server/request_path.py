@@ -242,8 +242,8 @@ async def run_steps(path: RequestPath) -> None:
 
 
 def finish(path: RequestPath, call: Any) -> Any:
-    """After vLLM's call is made (not started): a subagent's or a side request's instruction
-    length, and the lifecycle watch of how the call ends."""
+    """After vLLM's call is made (not started): a subagent's, a side request's or a rewrite's
+    instruction length, and the lifecycle watch of how the call ends."""
     settings, service, session_ = path.settings, path.service, path.session
     if not session_ or service is None:
         return call
@@ -252,6 +252,10 @@ def finish(path: RequestPath, call: Any) -> Any:
     elif path.verdict == "side" and path.window is not None:
         key = side_instructions_key(session_, path.window)
         call = with_instructions(service, key, path.request, call)
+    elif path.verdict == "rewrite":  # the side branch keeps what the new window carries past them
+        key = instructions_key(path.request)
+        if key is not None:
+            call = with_instructions(service, key, path.request, call)
     if path.chain is not None and service.answers:
         main = path.chain_outcome != "side"
         on_answer = service.answers.on_answer(path.principal, path.chain, main)

@@ -35,8 +35,8 @@ session, from two things:
     **rewrite** (a compaction's new window, a rewind, a masked tool result; opencode's
     compaction right after a session's first turn, whose new window keeps only the
     instructions and goes on with the summary). The main thread's blocks that the new window
-    cannot hit are dead; so is a side branch that carried the old conversation (the engine
-    keeps a short one with a prompt of its own: ``PoolAffinity.release_rewritten``).
+    cannot hit are dead; so is a side branch that carried the old conversation, past its own
+    instructions and what the new window still carries (``PoolAffinity.release_rewritten``).
 
 Messages are compared as canonical digests: content given as text parts equals the same text
 given as a string, and ``cache_control`` marks (which agents move to the newest message every
@@ -85,9 +85,6 @@ _IGNORED_KEYS = frozenset({"cache_control"})
 
 #: The branch a retry replaced, kept until the next window says which one the thread continues.
 RETRIED_BRANCH = "retried"
-#: A side branch a rewrite left behind, kept until the session's next side request says what of
-#: it that request hits again.
-SETTLING_BRANCH = "settling"
 
 
 def side_branch(session: str) -> str:
@@ -98,11 +95,6 @@ def side_branch(session: str) -> str:
 def retried_branch(session: str) -> str:
     """The engine's key for the main-thread window a retry of ``session`` replaced."""
     return f"{session}{BRANCH_SEPARATOR}{RETRIED_BRANCH}"
-
-
-def settling_branch(session: str) -> str:
-    """The engine's key for the side branch a rewrite of ``session`` left behind."""
-    return f"{session}{BRANCH_SEPARATOR}{SETTLING_BRANCH}"
 
 
 def owner_of(session: str) -> str:

@@ -42,7 +42,7 @@ from ..core import (
     first_stale_block,
 )
 from ..core.block_states import BlockStates, id_array
-from ..core.compaction import owner_of, retried_branch, settling_branch, side_branch
+from ..core.compaction import owner_of, retried_branch, side_branch
 from ..core.counters import Counters
 from ..core.groups import KVGroup, decode_bound_at_free
 from ..core.idle_guard import IdleGuard
@@ -568,27 +568,35 @@ class PoolAffinity:
         self.counters.add(f"release_us_{mode}", round((time.perf_counter() - started) * 1e6))
         return result
 
-    def release_rewritten(self, session: str, chain: list[Any]) -> EngineRelease:
+    def release_rewritten(self, session: str, chain: list[Any], head: int = 0) -> EngineRelease:
         """A compaction told from the agent's own requests (``core/compaction.py``): the main
         thread's blocks ``chain`` cannot hit, also when ``chain`` shares no block with them (the
         agent said the old window is gone), and a retry's replaced window past what ``chain``
-        hits, in one release. The session's side branch goes too when it carried the whole old
-        prompt (Qwen Code's suggestion: the window and one message). One that carried less (a
-        memory extractor or opencode's summarizer under a prompt of their own, the Codex CLI's
-        tool-less compaction request, whose developer items, environment and user turns the
-        next one sends again) is set apart, its blocks past its instructions idled at once
-        (reused after released blocks, before any live session's), to be settled by the next
-        side request of its kind (``_settle_side``), which releases what it does not hit."""
+        hits, in one release, decided now. ``head``: the new window's instructions, in tokens.
+
+        The session's side branch goes in the same release. One that started with the whole
+        old prompt (Qwen Code's suggestion: the window and one message) goes whole. One with a
+        prompt of its own (a memory extractor or opencode's summarizer under its own system
+        prompt, the Codex CLI's tool-less compaction request) keeps its instructions and the
+        part of the conversation the new window still carries, as long as it was in the old
+        window (the Codex CLI keeps its environment and the user's turns; the next compaction
+        request sends them again): what ``chain`` hits of the old window past the
+        instructions, one block more for the two renderings' differences."""
         also: list[ReleaseSelection] = []
         side = side_branch(session)
-        if side in self.sessions.latest and self._carried_conversation(side, session):
-            also += [table.select_release(side, 0) for table in self.tables]
+        if side in self.sessions.latest:
+            side_head = self._side_heads.pop(side, 0)
+            if self._carried_conversation(side, session):
+                firsts = [0] * len(self.tables)
+            else:
+                kept = self._first_stale(session, chain)
+                firsts = [
+                    self._side_keeps(group, side_head, max(0, f * group.block_size - head))
+                    for f, group in zip(kept, self.groups, strict=True)
+                ]
+            also += [t.select_release(side, f) for t, f in zip(self.tables, firsts, strict=True)]
             for table in self.tables:
                 table.forget(side)
-        else:
-            settling = settling_branch(session)
-            self._move_branch(side, settling)
-            self._idle_past_head(settling)
         retried = retried_branch(session)
         if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
             firsts = self._first_stale(retried, chain)
@@ -596,6 +604,15 @@ class PoolAffinity:
             for table in self.tables:
                 table.forget(retried)
         return self.release_divergent(session, chain, "compaction", also=also)
+
+    @staticmethod
+    def _side_keeps(group: KVGroup, side_head: int, carried: int) -> int:
+        """The side branch's blocks kept at a rewrite: its instructions (the block straddling
+        their end included) and ``carried`` tokens more, one block more for those (they are
+        the new window's rendering of the items, the side's may differ by a few tokens)."""
+        if carried == 0:
+            return group.blocks_holding(side_head)
+        return group.blocks_holding(side_head + carried) + 1
 
     def _carried_conversation(self, branch: str, session: str) -> bool:
         """Whether ``branch``'s latest request started with every whole block of ``session``'s
@@ -615,42 +632,6 @@ class PoolAffinity:
             whole = min(len(main.block_ids), main.num_prompt_tokens // group.block_size)
             return shared > 0 and shared >= whole
         return False
-
-    def _idle_past_head(self, branch: str) -> None:
-        """``branch``'s own blocks past its instructions (its recorded head) go to IDLE."""
-        head = self._side_heads.get(branch, 0)
-        selections = [
-            table.select_idle(branch, group.blocks_holding(head))
-            for table, group in zip(self.tables, self.groups, strict=True)
-        ]
-        if selections[0].status == "ok":
-            self._move_to_idle(selections)
-
-    def _move_branch(self, branch: str, to: str) -> None:
-        """``branch``'s finished record (and its instruction length) becomes ``to``'s."""
-        moved = [table.move(branch, to) for table in self.tables]
-        if any(moved):
-            self._note_side_head(to, self._side_heads.pop(branch, 0))
-
-    def _settle_side(self, settling: str, chain: list[Any]) -> None:
-        """The session's next side request of the same kind (one that hits every block of
-        the instructions of the side branch a rewrite left behind) says what of that branch
-        it hits again: the rest is dead (in every group), the instructions kept. A side
-        request of another kind (Qwen Code's suggestion between two memory extractions, whose
-        tools a template may render first alike) settles nothing: the one of the same kind
-        may still return to the branch's prefix."""
-        head = self._side_heads.get(settling, 0)
-        firsts = self._first_stale(settling, chain)
-        same_kind = all(
-            first >= group.blocks_holding(head) - 1
-            for first, group in zip(firsts, self.groups, strict=True)
-        )
-        if not (same_kind and self._any_hit(settling, firsts)):
-            return
-        self._side_heads.pop(settling, None)
-        self.release_divergent(settling, chain, "compaction", keep_tokens=head)
-        for table in self.tables:
-            table.forget(settling)
 
     def restore_divergent(self, session: str, chain: list[Any]) -> EngineRestore:
         """openJiuwen's ``prefetch``: the session's blocks from the first one ``chain`` cannot
@@ -911,9 +892,6 @@ class PoolAffinity:
             self._apply_family(self.subagents.call(session, parent, keys.head, family))
         if session == side_branch(owner_of(session)):
             self._note_side_head(session, keys.head)
-            settling = settling_branch(owner_of(session))
-            if settling in self.sessions.latest:
-                self._settle_side(settling, request.block_hashes)
         retried = retried_branch(session)
         if keys.retry:
             for table in self.tables:  # the replaced window waits apart for the next one
@@ -921,7 +899,7 @@ class PoolAffinity:
         elif retried in self.sessions.latest and not keys.rewrite:
             self._settle_retry(retried, request.block_hashes)
         if keys.rewrite:
-            self.release_rewritten(session, request.block_hashes)
+            self.release_rewritten(session, request.block_hashes, keys.head)
         elif keys.hint:
             self.release_divergent(session, request.block_hashes, "in_request")
         elif release_on_divergence and session in self.sessions.latest:

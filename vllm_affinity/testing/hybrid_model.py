@@ -5,14 +5,15 @@
 Llama and with random weights too: ``gpt-oss`` (sliding-window and full attention alternating,
 experts; gpt-oss's own tokenizer, rebuilt offline from the harmony library vLLM renders its
 chats with), ``gemma3`` (three sliding-window layers to one full), ``mistral`` (every layer
-a sliding window, as Mistral 7B v0.1: one group, vLLM's unitary coordinator) and
-``qwen3-next`` (Gated DeltaNet linear attention and full attention alternating, experts), the
-last three with the Llama
-model's tokenizer and template. Besides them ``deepseek-v3``: DeepSeek V3's Multi-head Latent
-Attention (one latent KV cache per token and layer, vLLM's ``mla_attention`` group: not hybrid,
-one group, but a KV cache of another kind), experts, the Llama tokenizer too. Their folders:
+a sliding window, as Mistral 7B v0.1: one group, vLLM's unitary coordinator),
+``qwen3-next`` (Gated DeltaNet linear attention and full attention alternating, experts) and
+``linear-only`` (Qwen3-Next's layers, every one linear attention: one Mamba-kind group), the
+last four with the Llama model's tokenizer and template. Besides them ``deepseek-v3``:
+DeepSeek V3's Multi-head Latent Attention (one latent KV cache per token and layer, vLLM's
+``mla_attention`` group: not hybrid, one group, but a KV cache of another kind), experts, the
+Llama tokenizer too. Their folders:
 ``.cache/tiny-gpt-oss``, ``.cache/tiny-gemma3``, ``.cache/tiny-mistral``,
-``.cache/tiny-qwen3-next``, ``.cache/tiny-deepseek-v3``.
+``.cache/tiny-qwen3-next``, ``.cache/tiny-linear-only``, ``.cache/tiny-deepseek-v3``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ HYBRID_SHAPES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128,
         "layer_types": ["linear_attention", "full_attention"] * 2,
+    },
+    # Every layer Gated DeltaNet linear attention (no full attention): one KV-cache group of
+    # Mamba kind, so vLLM builds its unitary coordinator over Mamba state alone.
+    "linear-only": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "layer_types": ["linear_attention"] * 2,
     },
     # Multi-head Latent Attention (DeepSeek V2/V3, Kimi K2): one dense layer, then one with
     # experts (DeepSeek V3's sigmoid router with its bias). vLLM's CPU MLA kernels take only
@@ -246,6 +266,7 @@ def _hybrid_config(arch: str, tokenizer: Any, max_positions: int) -> Any:
         "gemma3": Gemma3TextConfig,
         "mistral": MistralConfig,
         "qwen3-next": Qwen3NextConfig,
+        "linear-only": Qwen3NextConfig,
         "deepseek-v3": DeepseekV3Config,
     }[arch]
     shape = {"vocab_size": len(tokenizer), **HYBRID_SHAPES[arch]}

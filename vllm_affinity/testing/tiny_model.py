@@ -48,7 +48,7 @@ LONG_POSITIONS = 131072
 ANSWER_WORDS = ("summary", " ok", ".")
 
 #: ``--arch`` choices: Llama (``build``, every ``--size``), then the hybrids (``build_hybrid``).
-ARCHS = ("llama", "gpt-oss", "gemma3", "mistral", "qwen3-next", "deepseek-v3")
+ARCHS = ("llama", "gpt-oss", "gemma3", "mistral", "qwen3-next", "linear-only", "deepseek-v3")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
