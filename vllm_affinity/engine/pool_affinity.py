@@ -1089,12 +1089,15 @@ class PoolAffinity:
                         # allocating now: it called last, so it is walked first)
                         break
 
-    def group_stats(self, exact: bool = False) -> list[GroupStats]:
-        """Per group, its counts. Its bindings: with one group, the pool's (one numpy pass);
-        with several, counted record by record only when ``exact`` (``/affinity/check``): a
-        walk over every record, 0.6 s at 100k sessions, has no place on the stats' path."""
+    def group_stats(self, exact: bool = False, bindings: int | None = None) -> list[GroupStats]:
+        """Per group, its counts. Its bindings: with one group, the pool's (one numpy pass, or
+        ``bindings`` when the caller made it); with several, counted record by record only
+        when ``exact`` (``/affinity/check``): a walk over every record, 0.6 s at 100k
+        sessions, has no place on the stats' path."""
         tables = self.tables
-        single = self._block_states.bindings() if len(tables) == 1 else None
+        single = None
+        if len(tables) == 1:
+            single = self._block_states.bindings() if bindings is None else bindings
         return [
             GroupStats(
                 group=group.index,
@@ -1119,6 +1122,7 @@ class PoolAffinity:
 
     def stats(self, exact: bool = False) -> EngineStats:
         """The counters and sizes (``exact``: each group's bindings too, ``group_stats``)."""
+        bindings = self.block_states.bindings()  # one pass over the pool (settled), read once
         return EngineStats(
             segments=Segments(**self.queue.segment_sizes()),
             pending=self.queue.num_pending,
@@ -1127,10 +1131,10 @@ class PoolAffinity:
             protected_reused=self.queue.protected_reused,
             children=len(self.subagents),
             sessions=len(self.sessions),
-            bindings=self.block_states.bindings(),
+            bindings=bindings,
             sessions_evicted=self.sessions.evicted,
             num_blocks=self.pool.num_gpu_blocks,
-            groups=self.group_stats(exact),
+            groups=self.group_stats(exact, bindings),
             predict_return=self.returns is not None,
             engine_errors=dict(ERRORS.counts),
             malformed_args=dict(ERRORS.malformed),
