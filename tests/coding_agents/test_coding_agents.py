@@ -62,6 +62,8 @@ def test_claude_code_compact_releases_the_old_window_and_nothing_else(
     kept = window["input_tokens"] + window["cache_read_input_tokens"]
     kept += window["cache_creation_input_tokens"]
     assert later["usage"]["cache_read_input_tokens"] >= kept - 64, (window, later["usage"])
+    steps = (first, second, compact, rewrite, plain)
+    assert sum(step["released_hit"] for step in steps) == 0, [s.changed() for s in steps]
 
 
 def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
@@ -196,6 +198,8 @@ def test_opencode_compactions_release_the_old_window_and_nothing_else(
     assert plain["windows.append"] >= 1 and plain["releases"] == 0, plain.after
     # the compacted window's prefix was kept: the next turn reads nearly all of it from the cache
     assert later["tokens"]["cache"]["read"] >= after["tokens"]["input"] - 64, (after, later)
+    steps = (turn, summary, rewrite, plain)
+    assert sum(step["released_hit"] for step in steps) == 0, [s.changed() for s in steps]
 
 
 def test_opencode_auto_compaction_releases_the_old_window_and_nothing_else(
@@ -218,6 +222,7 @@ def test_opencode_auto_compaction_releases_the_old_window_and_nothing_else(
         # the old window's turns, and the summary request's copy of them
         dead = sum(blocks_of(agents_server, text) for text in asked[:-1])
         assert released(turn) >= 2 * dead, (dead, turn.after)
+        assert turn["released_hit"] == 0, turn.changed()
         break  # one is enough here: the turns after a compaction are the other test's
     assert compacted == 1
 
