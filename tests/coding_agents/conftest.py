@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.vllm_router import POLICIES, Router, router_binary
 from vllm_affinity.core.compaction import VERDICTS
 from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
 from vllm_affinity.testing.pytest_plugin import shared_server
@@ -100,6 +101,7 @@ class Delta:
 
     before: dict[str, int]
     after: dict[str, int]
+    answer: dict[str, Any] = field(default_factory=dict)  # the call's own result, if kept
 
     def __getitem__(self, name: str) -> int:
         return self.after.get(name, 0) - self.before.get(name, 0)
@@ -585,22 +587,38 @@ def agents_fleet(agents_server: VLLMServer) -> Iterator[AgentsFleet]:
 
 
 class _Routed:
-    """A server seen through the router: what an agent is pointed at."""
+    """A server seen through a router: what an agent is pointed at."""
 
-    def __init__(self, router: NginxRouter) -> None:
-        self.root_url = router.root_url
-        self.base_url = router.base_url
+    def __init__(self, root_url: str) -> None:
+        self.root_url = root_url
+        self.base_url = root_url + "/v1"
 
 
 def claude_code_via(router: NginxRouter, tmp_path: Path, name: str) -> ClaudeCode:
     home = tmp_path / name / "home"
     home.mkdir(parents=True)
-    via: Any = _Routed(router)
+    via: Any = _Routed(router.root_url)
     return ClaudeCode(installed("claude"), via, home, tmp_path / name / "project").setup()
 
 
 def codex_via(router: NginxRouter, tmp_path: Path, name: str) -> CodexCli:
     home = tmp_path / name / "home"
     home.mkdir(parents=True)
-    via: Any = _Routed(router)
+    via: Any = _Routed(router.root_url)
     return CodexCli(installed("codex"), via, home, tmp_path / name / "project").setup()
+
+
+@pytest.fixture
+def claude_code_behind_vllm_router(
+    agents_server: VLLMServer, tmp_path: Path
+) -> Iterator[ClaudeCode]:
+    """Claude Code through vLLM's own router (``vllm-router``, one replica: the agents
+    server), which forwards no header on ``/v1/messages``: the plugin sees no session id."""
+    binary = router_binary()
+    if binary is None:
+        missing("vllm-router is not installed: `make test` installs it")
+    home = tmp_path / "routed" / "home"
+    home.mkdir(parents=True)
+    with Router(str(binary), [agents_server], POLICIES["round_robin"]) as router:
+        via: Any = _Routed(router.url)
+        yield ClaudeCode(installed("claude"), via, home, tmp_path / "routed" / "project").setup()

@@ -30,40 +30,67 @@ def settled(delta: Delta) -> dict[str, int]:
     return delta.changed()
 
 
-def test_claude_code_compact_releases_the_old_window_and_nothing_else(
-    claude_code: ClaudeCode, watch: Callable[[], Delta]
-) -> None:
+def compact_and_go_on(agent: ClaudeCode, watch: Callable[[], Delta], topic: str) -> list[Delta]:
+    """Two turns, ``/compact``, two turns more (headless): what each call changed. The plugin
+    sees the same requests with Claude Code's session header or without it."""
     watch()
-    claude_code.ask("first question about the weather")
-    first = watch()
-    assert first["windows.first"] == 1 and first["sessions"] >= 1  # bound from its header
-    claude_code.ask("second question about the plan")
-    second = watch()
+    steps = []
+    for prompt in (
+        f"first question about {topic}",
+        "second question about the plan",
+        "/compact",
+        "third question after compaction",
+        "fourth question",
+    ):
+        answer = agent.ask(prompt)
+        steps.append(watch())
+        steps[-1].answer = answer
+    return steps
+
+
+def check_compact_and_go_on(steps: list[Delta]) -> int:
+    """The verdicts of ``compact_and_go_on``'s calls; the blocks the rewrite released."""
+    first, second, compact, rewrite, plain = steps
+    assert first["windows.first"] == 1, first.changed()
     assert second["windows.append"] >= 1
     assert released(second) == 0 and second["releases"] == 0  # a turn that only appends
-
-    claude_code.ask("/compact")
-    compact = watch()
     assert compact["windows.append"] >= 1  # the summary request appends to the window
     assert released(compact) == 0 and compact["releases"] == 0
-
-    after = claude_code.ask("third question after compaction")
-    rewrite = watch()
     assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] in (1, 2), settled(
         rewrite
     )
     assert released(rewrite) > 50, rewrite.after  # the old window's blocks
-
-    later = claude_code.ask("fourth question")
-    plain = watch()
     assert released(plain) == 0 and plain["releases"] == 0
     # the new window's prefix was kept: the next turn reads nearly all of it from the cache
-    window = after["usage"]
+    window = rewrite.answer["usage"]
     kept = window["input_tokens"] + window["cache_read_input_tokens"]
     kept += window["cache_creation_input_tokens"]
-    assert later["usage"]["cache_read_input_tokens"] >= kept - 64, (window, later["usage"])
-    steps = (first, second, compact, rewrite, plain)
+    later = plain.answer["usage"]
+    assert later["cache_read_input_tokens"] >= kept - 64, (window, later)
     assert sum(step["released_hit"] for step in steps) == 0, [s.changed() for s in steps]
+    return released(rewrite)
+
+
+def test_claude_code_compact_releases_the_old_window_and_nothing_else(
+    claude_code: ClaudeCode,
+    claude_code_behind_vllm_router: ClaudeCode,
+    watch: Callable[[], Delta],
+) -> None:
+    """Bound from its header, and behind vLLM's router (which forwards no header on
+    ``/v1/messages``) as a session the plugin infers: the same verdicts, the same release."""
+    named = compact_and_go_on(claude_code, watch, "the weather")
+    assert named[0]["sessions"] >= 1 and named[0]["implicit.started"] == 0  # its header
+    with_header = check_compact_and_go_on(named)
+    unnamed = compact_and_go_on(claude_code_behind_vllm_router, watch, "the tides")
+    assert unnamed[0]["implicit.started"] == 1, unnamed[0].changed()  # no header came through
+    assert all(step["implicit.started"] == 0 for step in unnamed[1:]), [
+        s.changed() for s in unnamed
+    ]
+    without_header = check_compact_and_go_on(unnamed)
+    print(f"released at the rewrite: {with_header} with the header, {without_header} without")
+    # the rendering differs only in the question's words: the release is the same to a block
+    # or two of the answers' lengths
+    assert abs(without_header - with_header) <= 4, (with_header, without_header)
 
 
 def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
