@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from vllm_affinity.testing import VLLMServer
 
 from .conftest import (
@@ -258,6 +260,7 @@ def test_opencode_auto_compaction_releases_the_old_window_and_nothing_else(
 ANSWER = "\u25c6"
 
 
+@pytest.mark.long  # ~2.5 minutes; make test runs the same agent's /compress without metadata
 def test_qwen_code_interactive_compress_releases_and_side_requests_stay_apart(
     interactive_qwen_code: InteractiveQwenCode,
     agents_server: VLLMServer,
