@@ -120,7 +120,7 @@ class ReleaseError(Exception):
 
 
 class EngineRelease(BaseModel):
-    """One engine core's result of one release (``PoolAffinity._apply``); the 200 answer of
+    """One engine core's result of one release (``Releases._apply``); the 200 answer of
     ``POST /release_kv_cache`` is these figures summed over the engines, plus timings."""
 
     model_config = ConfigDict(extra="forbid")

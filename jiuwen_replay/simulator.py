@@ -287,7 +287,7 @@ class _Cache:
     def _family_call(self, session: str, parent: str | None) -> None:
         """As the plugin's ``Subagents``: a parent's call ends its wait; a child's first call
         starts its parent's, whose blocks go to IDLE when its wait guard finds it worth it
-        (``PoolAffinity._idle_waiting``)."""
+        (``Families._idle_waiting``)."""
         for child in self.running.pop(session, ()):
             self.parent_of.pop(child, None)
         if parent is None or parent == session or session in self.parent_of:
@@ -301,7 +301,7 @@ class _Cache:
     def _child_ended(self, child: str) -> None:
         """A subagent ended its task: when it was its parent's last, the parent is due now,
         and its idle blocks go back to the most-recently-used end of the live ones
-        (``PoolAffinity._unprotect``)."""
+        (``Families._unprotect``)."""
         parent = self.parent_of.pop(child)
         children = self.running.get(parent, set())
         children.discard(child)

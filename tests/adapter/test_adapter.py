@@ -391,14 +391,14 @@ def test_single_block_handouts_are_unbound_before_the_states_are_read() -> None:
     state.predict_returns(False)  # LRU's order: no picker reads the states at a pop
     pool = manager.block_pool
     reused = [pool.get_new_blocks(1)[0].block_id for _ in range(3)]  # FREE's one, then A's
-    assert len(state._handed_one) == 3  # not unbound yet
+    assert len(state.bindings._handed_one) == 3  # not unbound yet
     assert [state.tables[0].holders(b) for b in reused[1:]] == [0, 0]
-    assert not state._handed_one
+    assert not state.bindings._handed_one
     assert state.release("A", 0).block_released == 2
     assert_no_leak(manager)
     for _ in range(1100):  # pops no read follows (requests with no session): a bounded wait
         pool.free_blocks(pool.get_new_blocks(1))
-        assert len(state._handed_one) <= 1024
+        assert len(state.bindings._handed_one) <= 1024
     assert_no_leak(manager)
 
 
@@ -416,20 +416,20 @@ def test_allocations_of_many_blocks_wait_for_their_bind_or_the_next_read() -> No
     own = set(np.frombuffer(state.sessions.latest["A"].block_ids, np.int32).tolist())
     taken = [block.block_id for block in pool.get_new_blocks(40)]  # FREE's 33, then A's 7
     reused = [b for b in taken if b in own]
-    assert len(reused) == 7 and len(state._handed) == 1  # not unbound yet
+    assert len(reused) == 7 and len(state.bindings._handed) == 1  # not unbound yet
     assert [state.tables[0].holders(b) for b in reused] == [0] * 7
-    assert not state._handed
+    assert not state.bindings._handed
     assert state.release("A", 0).block_released == 23
     assert_no_leak(manager)
     big = make_manager(30_000)
     state, pool = state_of(big), big.block_pool
     for _ in range(3):  # the same blocks again: the earlier allocation is unbound at once
         pool.free_blocks(pool.get_new_blocks(FEW_BLOCKS + 1))
-        assert len(state._handed) == 1
+        assert len(state.bindings._handed) == 1
     held, waited = [], []
     for _ in range(1100):
         held.append(pool.get_new_blocks(FEW_BLOCKS + 1))
-        waited.append(len(state._handed))
+        waited.append(len(state.bindings._handed))
     assert max(waited) == 1024 and waited[-1] < 1024  # reached the bound, then settled
     for blocks in held:
         pool.free_blocks(blocks)
@@ -1004,9 +1004,9 @@ def test_a_bounded_check_walks_a_rotating_slice_and_finds_what_is_in_it(
     ``CHECK_BLOCKS`` each call walks the next slice (calls rotate over the pool), and the
     holder counts are left out past ``CHECK_RECORDS`` records; a fault is found by the call
     whose slice holds it. The unbounded check (the tests') walks everything."""
-    from vllm_affinity.engine import pool_affinity
+    from vllm_affinity.engine import pool_reports
 
-    monkeypatch.setattr(pool_affinity, "CHECK_BLOCKS", 100)
+    monkeypatch.setattr(pool_reports, "CHECK_BLOCKS", 100)
     manager = make_manager(250)
     state = state_of(manager)
     run_prefill(manager, make_request(tokens(0, 3 * BLOCK), session="A"))
@@ -1016,7 +1016,7 @@ def test_a_bounded_check_walks_a_rotating_slice_and_finds_what_is_in_it(
         slices.append(state.check_scope["blocks"])
     assert slices == [[0, 100], [100, 200], [200, 250], [0, 100]]
     assert state.check_scope["holders"] and state.check_scope["of"] == 250
-    monkeypatch.setattr(pool_affinity, "CHECK_RECORDS", 0)
+    monkeypatch.setattr(pool_reports, "CHECK_RECORDS", 0)
     assert state.check(idle=False, bounded=True) == []  # [100, 200]
     assert not state.check_scope["holders"]  # A's record is not walked
     # a fault in the first slice: a free block that left the queue

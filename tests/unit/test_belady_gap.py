@@ -193,7 +193,7 @@ def test_a_session_that_hinted_every_call_and_then_falls_silent_is_not_due_back(
 
 
 def test_a_forgotten_session_is_no_candidate_and_left_in_lrus_order() -> None:
-    """A subagent's end (``PoolAffinity._end_child``): what it keeps belongs to its family, so
+    """A subagent's end (``Families._end_child``): what it keeps belongs to its family, so
     the picker neither evicts from it as a session due back late nor spares it: its blocks go
     in LRU's order, as on vanilla. Spared as a session due back first (the form before), an
     ended subagent's kept start outlived every live session's blocks: on the Claude Code

@@ -146,3 +146,60 @@ def test_a_circle_and_an_upward_import_are_found(tmp_path: Path) -> None:
         list(graphlib.TopologicalSorter(graph).static_order())
     assert room_of("vllm_affinity.engine.pool_affinity") == (2, "vllm_affinity.engine")
     assert room_of("vllm_affinity.api_server.route") == (2, "vllm_affinity.api_server")
+
+
+#: The engine room's parts, lowest first: each imports only parts below it (the door,
+#: ``pool_affinity``, every part; no part the door). Modules of the room not listed here (the
+#: patches, the checkpoints, the fail-open counters) are outside the pool's parts.
+ENGINE_PARTS: tuple[str, ...] = (
+    "vllm_affinity.engine.pool_context",
+    "vllm_affinity.engine.bindings",
+    "vllm_affinity.engine.releases",
+    "vllm_affinity.engine.families",
+    "vllm_affinity.engine.picker",
+    "vllm_affinity.engine.pool_reports",
+    "vllm_affinity.engine.pool_affinity",
+)
+#: Parts beside each other (neither may import the other).
+BESIDE = {
+    frozenset({"vllm_affinity.engine.picker", "vllm_affinity.engine.pool_reports"}),
+    frozenset({"vllm_affinity.engine.families", "vllm_affinity.engine.picker"}),
+    frozenset({"vllm_affinity.engine.families", "vllm_affinity.engine.pool_reports"}),
+}
+
+
+def engine_parts_upward(graph: dict[str, set[str]]) -> list[str]:
+    """``part -> target`` for each import of a part at or above the importer's place (or
+    beside it)."""
+    place = {part: n for n, part in enumerate(ENGINE_PARTS)}
+    return [
+        f"{part} -> {target}"
+        for part in ENGINE_PARTS
+        for target in graph.get(part, ())
+        if target in place and (place[target] >= place[part] or frozenset({part, target}) in BESIDE)
+    ]
+
+
+def test_the_engine_rooms_parts_import_only_down() -> None:
+    graph = module_graph("vllm_affinity")
+    assert set(ENGINE_PARTS) <= set(graph), set(ENGINE_PARTS) - set(graph)
+    assert not engine_parts_upward(graph)
+    # the door imports every part, and nothing outside the room imports a part but the door
+    assert set(ENGINE_PARTS[:-1]) <= graph["vllm_affinity.engine.pool_affinity"]
+    outside = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets & set(ENGINE_PARTS[:-1])
+        if not module.startswith("vllm_affinity.engine.")
+    ]
+    assert not outside, outside
+
+
+def test_a_planted_upward_import_of_an_engine_part_is_found() -> None:
+    graph = module_graph("vllm_affinity")
+    graph["vllm_affinity.engine.bindings"].add("vllm_affinity.engine.releases")
+    graph["vllm_affinity.engine.picker"].add("vllm_affinity.engine.families")
+    assert engine_parts_upward(graph) == [
+        "vllm_affinity.engine.bindings -> vllm_affinity.engine.releases",
+        "vllm_affinity.engine.picker -> vllm_affinity.engine.families",
+    ]

@@ -219,7 +219,7 @@ def test_the_idle_guard_keeps_idling_a_session_that_stays_away() -> None:
 
 
 def test_a_waiting_lead_idles_once_its_waits_outlast_lrus_reach_and_is_back_at_its_end() -> None:
-    """The picker's simulator, as the plugin (``PoolAffinity._idle_waiting``): a lead's own
+    """The picker's simulator, as the plugin (``Families._idle_waiting``): a lead's own
     blocks go to IDLE when its subagent starts, once an earlier wait of its outlasted LRU's
     reach, and back to the live ones when the subagent ends its task; a child named by no
     parent changes nothing."""

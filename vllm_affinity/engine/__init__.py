@@ -2,7 +2,9 @@
 
 - ``patches``: the thin wrapt patches of vLLM's ``BlockPool``, ``KVCacheManager``, ``Scheduler``
   and ``EngineCore`` (the adapter; ``apply_engine_patches``);
-- ``pool_affinity``: the per-pool state those patches act on (``PoolAffinity``);
+- ``pool_affinity``: the per-pool state those patches act on (``PoolAffinity``), the door to
+  its parts: ``bindings`` (per step), ``releases`` and ``families`` (per event), ``picker``
+  (per pop), ``pool_reports`` (stats and checks), over ``pool_context``;
 - ``checkpoints``: a hybrid model's instruction checkpoints.
 
 Nothing here imports the API server's modules: the two processes share only ``core`` (the
