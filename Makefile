@@ -33,7 +33,7 @@ AIDER_VENV    := .venv-aider
 AIDER         := $(AIDER_VENV)/.installed-$(AIDER_VERSION)
 
 # Open WebUI (PyPI), a chat UI that names no session, in a virtualenv of its own (~2 GB with
-# torch; make test-long and benchmarks/open_webui.py drive it).
+# torch; make test-long and benchmarks/agents/open_webui.py drive it).
 OWUI_VERSION := 0.12.4
 OWUI_VENV    := .cache/openwebui-venv
 OWUI         := $(OWUI_VENV)/.installed-$(OWUI_VERSION)
@@ -164,8 +164,8 @@ debian-tools:
 	    echo "missing:$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing)"; exit 1; \
 	  fi; }
 
-# AgentInfer 0.2, the peer the benchmarks compare with (benchmarks/peers.py), in a virtualenv of
-# its own: its package replaces the vllm console script and loads its own scheduler.
+# AgentInfer 0.2, the peer the benchmarks compare with (benchmarks/agents/peers.py), in a
+# virtualenv of its own: its package replaces the vllm console script and loads its own scheduler.
 AI_VENV := .cache/agentinfer-venv
 AI      := $(AI_VENV)/.installed
 $(AI): $(UV)
@@ -232,27 +232,27 @@ format: $(DEV)
 bench: bench-client bench-server bench-agents bench-fleet
 
 bench-client: $(DEV)
-	$(PY) -m benchmarks.hook_overhead
-	$(PY) -m benchmarks.session_memory
+	$(PY) -m benchmarks.client.hook_overhead
+	$(PY) -m benchmarks.client.session_memory
 
 bench-server: $(MODEL)
-	$(PY) -m benchmarks.queue_ops
-	$(PY) -m benchmarks.server_session_memory
-	$(PY) -m benchmarks.server_throughput
-	$(PY) -m benchmarks.release_latency
+	$(PY) -m benchmarks.engine.queue_ops
+	$(PY) -m benchmarks.engine.server_session_memory
+	$(PY) -m benchmarks.server.server_throughput
+	$(PY) -m benchmarks.server.release_latency
 
 ## bench-agents: the multi-session agent benchmark, vanilla vs plugin (about 15 minutes), and
 ## the session lifecycle in the simulator and on real servers (about 12 minutes)
 bench-agents: $(MODEL)
-	$(PY) -m benchmarks.agent_bench
-	$(PY) -m benchmarks.lifecycle_sim
-	$(PY) -m benchmarks.lifecycle_replay
-	$(PY) -m benchmarks.lifecycle_replay --trace ordered
-	$(PY) -m benchmarks.lifecycle_ttft
+	$(PY) -m benchmarks.agents.agent_bench
+	$(PY) -m benchmarks.lifecycle.lifecycle_sim
+	$(PY) -m benchmarks.lifecycle.lifecycle_replay
+	$(PY) -m benchmarks.lifecycle.lifecycle_replay --trace ordered
+	$(PY) -m benchmarks.lifecycle.lifecycle_ttft
 
 ## bench-fleet: two replicas behind nginx, by session vs round-robin, with and without release
 bench-fleet: $(MODEL) debian-tools
-	$(PY) -m benchmarks.fleet_bench
+	$(PY) -m benchmarks.fleet.fleet_bench
 
 clean:
 	rm -rf $(VENV) $(LI_VENV) $(OJ_VENV) $(OJ16_VENV) $(AIDER_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

@@ -38,8 +38,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import jiuwen_hooks
-from benchmarks.agent_bench import replay
-from benchmarks.agent_trace import TraceConfig, describe, generate
+from benchmarks.agents.agent_bench import replay
+from benchmarks.agents.agent_trace import TraceConfig, describe, generate
 from examples.compaction_agent import run_weather_agent
 from examples.otel_collector import OtlpCollector
 from jiuwen_kv_protocol.headers import RELEASE_SPAN, SESSION_ATTRIBUTE

@@ -1,9 +1,9 @@
 """Pure core: where one eviction policy's hits fall short of another's, call by call.
 
-``benchmarks/belady_gap.py`` runs the simulator under the plugin's policy and under Belady and
-hands both lists of hits per call (``simulator.hits_per_request``) to ``classify``: every call
-Belady serves better is put in one class by what its session was doing, so the table says what
-Belady keeps that the plugin lets go (issue 36: a lead waiting on its subagents, sibling
+``benchmarks/lifecycle/belady_gap.py`` runs the simulator under the plugin's policy and under
+Belady and hands both lists of hits per call (``simulator.hits_per_request``) to ``classify``:
+every call Belady serves better is put in one class by what its session was doing, so the table
+says what Belady keeps that the plugin lets go (issue 36: a lead waiting on its subagents, sibling
 subagents' shared prompts, a tool loop's context, sessions back from their user, compaction
 leftovers).
 """

@@ -28,7 +28,7 @@ knows the future):
 - ``lifecycle+both``: the two together.
 
 Candidates on signals a server has, for the tight pools where ``lifecycle`` is furthest
-from Belady (``benchmarks/belady_gap.py`` compares them; ``docs/decisions.md``):
+from Belady (``benchmarks/lifecycle/belady_gap.py`` compares them; ``docs/decisions.md``):
 
 - ``lifecycle+loop``: a call that ends in a tool call also idles its session, behind an idle
   guard of its own (its absences are tool calls, not users): the session whose tool loop

@@ -1,5 +1,5 @@
-"""``benchmarks/engine_scale.py`` on a small cell: both drivers run vLLM's real classes, vanilla
-with every plugin wrapper set aside, and report what they measured."""
+"""``benchmarks/engine/engine_scale.py`` on a small cell: both drivers run vLLM's real classes,
+vanilla with every plugin wrapper set aside, and report what they measured."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import wrapt
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from benchmarks import engine_scale
+from benchmarks.engine import engine_scale
 from vllm_affinity.engine import affinity_of, apply_engine_patches
 
 apply_engine_patches()
@@ -37,7 +37,7 @@ def test_a_small_cell_reports_both_sides(driver: str, tmp_path: Path) -> None:
     assert min(row["hit_tokens"].values()) >= engine_scale.SYSTEM
     assert row["plugin_own_ms"] > 0  # the plugin timed its own work on the scheduler's path
     text = (tmp_path / "engine_scale.md").read_text()
-    assert text.startswith(f"Command: `python -m benchmarks.engine_scale {' '.join(argv)}`")
+    assert text.startswith(f"Command: `python -m benchmarks.engine.engine_scale {' '.join(argv)}`")
 
 
 def test_control_runs_vanilla_against_itself(tmp_path: Path) -> None:

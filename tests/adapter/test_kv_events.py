@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 from vllm_parts import BLOCK, generate, make_request, run_prefill, state_of, tokens
 
-from benchmarks.vllm_router import apply_kv_events
+from benchmarks.fleet.vllm_router import apply_kv_events
 from vllm_affinity.core.compaction import side_branch
 from vllm_affinity.engine import (
     PARENT_KEY,
@@ -69,7 +69,7 @@ def sliding() -> SlidingWindowSpec:
 
 class Subscriber:
     """What a router holds: per group, the block hashes the events say are cached (replayed as
-    ``benchmarks/vllm_router.py`` replays a live replica's, against the same engine listing
+    ``benchmarks/fleet/vllm_router.py`` replays a live replica's, against the same engine listing
     ``/affinity/check?blocks=true`` serves)."""
 
     def __init__(self) -> None:

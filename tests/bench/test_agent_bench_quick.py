@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import agent_bench
+from benchmarks.agents import agent_bench
 
 pytestmark = [
     pytest.mark.e2e,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import lifecycle_replay
+from benchmarks.lifecycle import lifecycle_replay
 
 pytestmark = [
     pytest.mark.e2e,

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.vllm_router import POLICIES, Router, router_binary
+from benchmarks.fleet.vllm_router import POLICIES, Router, router_binary
 from vllm_affinity.core.compaction import VERDICTS
 from vllm_affinity.testing import SERVED_NAME, NginxRouter, VLLMServer, free_port
 from vllm_affinity.testing.pytest_plugin import shared_server

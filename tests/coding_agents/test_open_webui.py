@@ -2,7 +2,7 @@
 vanilla vLLM and of the plugin as it ships, several users chatting at once through its HTTP API
 with regenerations, edits, a branch and its task requests (title, tags, follow-ups: one user
 message quoting the chat, no system prompt), at a tight pool and a loose one
-(``benchmarks/open_webui.py`` drives both sides).
+(``benchmarks/agents/open_webui.py`` drives both sides).
 
 No two chats are joined and no task is linked to its chat: every chat request that carries an
 answer continues a chain and every other request starts one. Nothing released is hit again,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.open_webui import OPEN_WEBUI, measure
+from benchmarks.agents.open_webui import OPEN_WEBUI, measure
 
 from .conftest import missing
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 import jiuwen_hooks
-from benchmarks.hybrid_checkpoints import second_session, subagents
-from benchmarks.hybrid_models import (
+from benchmarks.hybrid.hybrid_checkpoints import second_session, subagents
+from benchmarks.hybrid.hybrid_models import (
     DENSE,
     Call,
     Compaction,

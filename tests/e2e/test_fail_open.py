@@ -19,7 +19,13 @@ import httpx
 import pytest
 from engine_faults import TARGETS
 
-from benchmarks.hybrid_models import call, grow_then_compact, hybrid_vllm, system_prompt, text
+from benchmarks.hybrid.hybrid_models import (
+    call,
+    grow_then_compact,
+    hybrid_vllm,
+    system_prompt,
+    text,
+)
 from jiuwen_kv_protocol.headers import CLAUDE_CODE_SESSION_HEADER, NEXT_USE_HEADER
 from vllm_affinity.testing import SERVED_NAME, VLLMServer
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks import fleet_bench
-from benchmarks.agent_trace import Call, TraceConfig, generate
+from benchmarks.agents.agent_trace import Call, TraceConfig, generate
+from benchmarks.fleet import fleet_bench
 from vllm_affinity.testing import SERVED_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]

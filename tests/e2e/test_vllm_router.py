@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.vllm_router import (
+from benchmarks.fleet.vllm_router import (
     POLICIES,
     KvEventView,
     Router,

@@ -33,7 +33,7 @@ def test_benchmarks_run_as_modules_from_the_repository_root() -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.agent_bench", "--help"],
+        [sys.executable, "-m", "benchmarks.agents.agent_bench", "--help"],
         cwd=RESULTS.parents[1],
         env=env,
         capture_output=True,

@@ -84,11 +84,11 @@ def test_a_tight_pool_evicts_and_the_bound_is_full_attentions_belady() -> None:
 
 
 def test_the_hybrid_grid_never_computes_more_than_vanilla(tmp_path: Path) -> None:
-    """``benchmarks/hybrid_sim``'s grid on the synthetic trace in every format, three hybrid
+    """``benchmarks/hybrid/hybrid_sim``'s grid on the synthetic trace in every format, three hybrid
     shapes: the plugin (release and the instructions' checkpoint) computes no more prompt tokens
     than vanilla in any cell, and no cell beats the full-attention Belady bound."""
-    from benchmarks.hybrid_sim import POOLS, grid
-    from benchmarks.never_worse_sim import synthetic_traces
+    from benchmarks.hybrid.hybrid_sim import POOLS, grid
+    from benchmarks.lifecycle.never_worse_sim import synthetic_traces
 
     rows = []
     for name, trace in synthetic_traces(tmp_path).items():

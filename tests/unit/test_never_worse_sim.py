@@ -1,14 +1,15 @@
-"""The quick form of "never worse than vanilla", in the simulator (`benchmarks/never_worse_sim`):
-the synthetic trace in every format, pools 0.1x to 1x, with and without ends, calls ending as a
-real agent's would; the plugin's policy as shipped computes no more prompt tokens than LRU in any
-cell. (The real-server form: ``tests/bench/test_trace_replay_quick.py``.)"""
+"""The quick form of "never worse than vanilla", in the simulator
+(`benchmarks/lifecycle/never_worse_sim`): the synthetic trace in every format, pools 0.1x to 1x,
+with and without ends, calls ending as a real agent's would; the plugin's policy as shipped
+computes no more prompt tokens than LRU in any cell. (The real-server form:
+``tests/bench/test_trace_replay_quick.py``.)"""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.never_worse_sim import POOLS, computed, grid, requests, synthetic_traces
+from benchmarks.lifecycle.never_worse_sim import POOLS, computed, grid, requests, synthetic_traces
 from jiuwen_replay.simulator import Request, working_set
 
 

@@ -21,9 +21,9 @@ SOURCES = [
     ROOT / "CHANGELOG.md",
     ROOT / "Makefile",
     *sorted((ROOT / "docs").rglob("*.md")),
-    *sorted((ROOT / "benchmarks").glob("*.py")),
+    *sorted((ROOT / "benchmarks").rglob("*.py")),
 ]
-MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+MODULES = sorted(p.stem for p in (ROOT / "benchmarks").rglob("*.py") if p.stem != "__init__")
 
 # A path to the shelf, bare (``results/x.md`` in docs/benchmarks.md) or relative. Not one after
 # ``<sha>:`` (``git show``) or inside another name (``replay-results/``). ``{a,b}`` alternatives
@@ -49,7 +49,7 @@ NAMED_RUNS = {
     "idless_chat_uis": "idless_agents --traffic webui,greeting,lookalike --out ...: ditto",
     "fleet_agents": "fleet_bench --scenarios ...agent_headers...: deployment.md's fleet table",
 }
-COMPARE = "compare"  # benchmarks/compare_all.py's own folder: compare.md and one set per run
+COMPARE = "compare"  # benchmarks/agents/compare_all.py's own folder: compare.md and one set per run
 
 
 def expand(path: str) -> list[str]:
@@ -118,7 +118,7 @@ def test_every_result_belongs_to_a_benchmark() -> None:
 def test_named_runs_are_on_the_shelf() -> None:
     gone = [stem for stem in NAMED_RUNS if not list(RESULTS.glob(stem + ".*"))]
     assert not gone, f"NAMED_RUNS lists runs no longer on the shelf: {gone}"
-    assert (ROOT / "benchmarks" / "compare_all.py").exists()
+    assert (ROOT / "benchmarks" / "agents" / "compare_all.py").exists()
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.agent_trace import PLACEHOLDER, TraceConfig, describe, generate, generate_timed
+from benchmarks.agents.agent_trace import (
+    PLACEHOLDER,
+    TraceConfig,
+    describe,
+    generate,
+    generate_timed,
+)
 from jiuwen_replay.simulator import POLICIES, Request, gap_closed, simulate, working_set
 
 B = 4  # small blocks keep the scenarios readable

@@ -77,7 +77,7 @@ def qwen_code_metadata(request: Any) -> tuple[str, str | None] | None:
 
 
 #: The digests of the messages this API server has judged: each turn resends the whole window,
-#: and only its new messages are serialised and hashed (``benchmarks/window_digest.py``).
+#: and only its new messages are serialised and hashed (``benchmarks/server/window_digest.py``).
 _DIGESTS = DigestMemo()
 
 

@@ -4,7 +4,7 @@ A session whose call ended in a tool call is back in seconds; one whose call end
 model's answer (``finish_reason`` ``stop``) waits for its user, often for minutes. The second
 session's blocks are the better ones to reuse first, after released ones and before those of
 every live session: the queue's IDLE segment (``queue.py``). Measured in the simulator first
-(``benchmarks/lifecycle_sim.py``, policy ``lifecycle``).
+(``benchmarks/lifecycle/lifecycle_sim.py``, policy ``lifecycle``).
 
 An agent that knows better says so per call with ``X-KV-Next-Use: <seconds>``, the time it
 expects until the session's next call once this one ends; it overrides ``finish_reason``.

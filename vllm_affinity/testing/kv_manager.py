@@ -8,7 +8,7 @@ from typing import Any
 
 def kv_cache_manager(num_blocks: int, block_size: int = 16, max_model_len: int = 4096) -> Any:
     """vLLM's real ``KVCacheManager`` over one full-attention group, with no model (prefix
-    caching on): what the adapter tests and ``benchmarks/picker_cost.py`` drive."""
+    caching on): what the adapter tests and ``benchmarks/engine/picker_cost.py`` drive."""
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

@@ -1,5 +1,5 @@
 """vLLM's scheduler-side classes without a model, driven as the engine core drives them (for the
-adapter tests and ``benchmarks/engine_scale.py``).
+adapter tests and ``benchmarks/engine/engine_scale.py``).
 
 - ``scheduler``: vLLM's real ``Scheduler`` over a KV-cache config, its model config read from a
   config file written here (no weights, no tokenizer), so it runs at any pool size on a CPU.

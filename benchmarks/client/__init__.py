@@ -1,0 +1,1 @@
+"""What does the hook cost an agent's calls and memory?"""

@@ -1,0 +1,1 @@
+"""What does the plugin cost vLLM's engine core, and what does it hold in memory?"""

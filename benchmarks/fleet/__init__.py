@@ -1,0 +1,1 @@
+"""What happens with several replicas behind a router (nginx, vllm-router)?"""

@@ -1,0 +1,1 @@
+"""What do hybrid models (sliding-window, Mamba, linear-attention groups) get?"""

@@ -1,0 +1,1 @@
+"""What does the plugin cost an API server's requests?"""
