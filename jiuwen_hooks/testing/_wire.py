@@ -1,18 +1,5 @@
-"""Test helpers for users' own agent tests (also used by this project's tests).
-
-``LocalEngine`` is a real HTTP server on loopback that speaks enough of the OpenAI API for the
-``openai`` client (``/v1/chat/completions`` and ``/v1/responses``, streamed or not;
-``/v1/models``), and of the Anthropic Messages API (``/v1/messages``) for the ``anthropic``
-client, and serves
-``/release_kv_cache``, recording every request. Its release answer can be switched to any status,
-a non-JSON body, a slow answer, or a connection reset mid-response. ``strict=True`` answers 400 to
-any chat field outside the OpenAI API (as the OpenAI API and several gateways do);
-``in_request=True`` advertises in-request releases like the vllm_affinity plugin (on
-``GET /affinity/capabilities`` and in release answers) and records the ``X-KV-Release`` hints.
-
-``TelemetryCapture`` holds an in-memory span exporter and metric reader (needs the OTel SDK:
-``pip install 'jiuwen-kv-affinity[otel]'``).
-"""
+"""The local engine's HTTP side: a threading server that can drop its connections, and the
+handler that speaks enough of the OpenAI and Anthropic APIs for their clients."""
 
 from __future__ import annotations
 
@@ -23,34 +10,14 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, RELEASE_HEADER, RELEASE_PATH
+from jiuwen_kv_protocol.headers import CAPABILITIES_PATH, RELEASE_PATH
 from jiuwen_kv_protocol.models import ReleaseReceipt
 
+from ._records import CAPABILITIES, RecordedRequest, _Records
 
-@dataclass(frozen=True)
-class RecordedRequest:
-    path: str
-    headers: dict[str, str]  # lower-case names
-    body: Any  # parsed JSON, or the raw text when it is not JSON
-
-
-@dataclass
-class ReleaseAnswer:
-    """How ``/release_kv_cache`` answers. ``block_released=None``: the number of released messages
-    (``len(messages) - messages_released_index``), which makes tests easy to read."""
-
-    status: int = 200
-    delay: float = 0.0
-    non_json: bool = False
-    reset: bool = False
-    block_released: int | None = None
-
-
-#: Chat-completion body fields of the OpenAI API (what a strict server accepts).
 OPENAI_CHAT_FIELDS = frozenset(
     [
         "audio",
@@ -89,138 +56,6 @@ OPENAI_CHAT_FIELDS = frozenset(
         "web_search_options",
     ]
 )
-CAPABILITIES = {"plugin": "local", "release_kv_cache": True, "in_request_release": True}
-
-
-@dataclass
-class _Records:
-    releases: list[RecordedRequest] = field(default_factory=list)
-    chats: list[RecordedRequest] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)
-    answer: ReleaseAnswer = field(default_factory=ReleaseAnswer)
-    lock: threading.Condition = field(default_factory=threading.Condition)
-    strict: bool = False
-    in_request: bool = False
-    capabilities_delay: float = 0.0
-
-
-class LocalEngine:
-    """A recording OpenAI-compatible server on 127.0.0.1 (real sockets, real HTTP)."""
-
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        reply: str = "ok",
-        *,
-        strict: bool = False,
-        in_request: bool = False,
-    ) -> None:
-        self._records = _Records(strict=strict, in_request=in_request)
-        handler = type("_Handler", (_Handler,), {"records": self._records, "reply": reply})
-        self._server = _QuietServer((host, port), handler)
-        self._thread: threading.Thread | None = None
-
-    # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> LocalEngine:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop listening and close every open connection."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._server.drop_connections()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def __enter__(self) -> LocalEngine:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    # -- addresses ----------------------------------------------------------------------------
-    @property
-    def root_url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    @property
-    def base_url(self) -> str:
-        """What to give ``openai.OpenAI(base_url=...)``."""
-        return self.root_url + "/v1"
-
-    # -- behaviour and records ----------------------------------------------------------------
-    def answer_releases(
-        self,
-        status: int = 200,
-        *,
-        delay: float = 0.0,
-        non_json: bool = False,
-        reset: bool = False,
-        block_released: int | None = None,
-    ) -> None:
-        with self._records.lock:
-            self._records.answer = ReleaseAnswer(status, delay, non_json, reset, block_released)
-
-    def advertise_in_request(self, enabled: bool = True) -> None:
-        """Switch the in-request capability on or off (as when the plugin is deployed/removed)."""
-        with self._records.lock:
-            self._records.in_request = enabled
-
-    def delay_capabilities(self, seconds: float) -> None:
-        """Answer ``GET /affinity/capabilities`` ``seconds`` late (a busy server)."""
-        with self._records.lock:
-            self._records.capabilities_delay = seconds
-
-    @property
-    def hints(self) -> list[str | None]:
-        """The ``X-KV-Release`` header of every chat request (``None`` where absent)."""
-        return [c.headers.get(RELEASE_HEADER.lower()) for c in self.chats]
-
-    @property
-    def releases(self) -> list[RecordedRequest]:
-        with self._records.lock:
-            return list(self._records.releases)
-
-    @property
-    def chats(self) -> list[RecordedRequest]:
-        """Every model request (``/v1/chat/completions``, ``/v1/responses`` and
-        ``/v1/messages``), in order."""
-        with self._records.lock:
-            return list(self._records.chats)
-
-    @property
-    def responses(self) -> list[RecordedRequest]:
-        """The ``/v1/responses`` requests only."""
-        return [c for c in self.chats if c.path == "/v1/responses"]
-
-    @property
-    def paths(self) -> list[str]:
-        """Paths of all POST requests in arrival order (to check a release preceded a chat)."""
-        with self._records.lock:
-            return list(self._records.paths)
-
-    def clear(self) -> None:
-        with self._records.lock:
-            self._records.releases.clear()
-            self._records.chats.clear()
-            self._records.paths.clear()
-
-    def wait_for_releases(self, count: int, timeout: float = 5.0) -> list[RecordedRequest]:
-        """Block until at least ``count`` releases arrived (for background dispatch)."""
-        deadline = time.monotonic() + timeout
-        with self._records.lock:
-            while len(self._records.releases) < count:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._records.lock.wait(remaining)
-            return list(self._records.releases)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -494,53 +329,3 @@ def _response_object(model: str, text: str, created: int) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": 0},
         },
     }
-
-
-class TelemetryCapture:
-    """In-memory OTel tracer and meter providers for assertions on spans and metrics."""
-
-    def __init__(self) -> None:
-        try:
-            from opentelemetry.sdk.metrics import MeterProvider
-            from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-            from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-                InMemorySpanExporter,
-            )
-        except ImportError as exc:  # pragma: no cover - depends on the user's environment
-            raise RuntimeError(
-                "TelemetryCapture needs the OpenTelemetry SDK: "
-                "pip install 'jiuwen-kv-affinity[otel]'"
-            ) from exc
-        self.exporter = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.metric_reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader])
-
-    def spans(self, name: str | None = None) -> list[Any]:
-        return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
-
-    def metric_points(self, name: str) -> list[Any]:
-        """All data points of metric ``name`` collected so far (cumulative)."""
-        data = self.metric_reader.get_metrics_data()
-        points: list[Any] = []
-        for resource_metrics in data.resource_metrics if data else ():
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    if metric.name == name:
-                        points.extend(metric.data.data_points)
-        return points
-
-    def metric_sum(self, name: str, **attributes: Any) -> float:
-        """Sum of a counter's points whose attributes include ``attributes``."""
-        return sum(
-            p.value
-            for p in self.metric_points(name)
-            if all(p.attributes.get(k) == v for k, v in attributes.items())
-        )
-
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
