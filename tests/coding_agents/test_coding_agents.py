@@ -19,7 +19,7 @@ from .conftest import (
     OpenCode,
     quiet,
 )
-from .scripted_answers import ask_empty, pending
+from .scripted_answers import ask_empty, pending, script
 
 
 def released(delta: Delta) -> int:
@@ -79,11 +79,18 @@ def test_claude_code_compact_releases_the_old_window_and_nothing_else(
     watch: Callable[[], Delta],
 ) -> None:
     """Bound from its header, and behind vLLM's router (which forwards no header on
-    ``/v1/messages``) as a session the plugin infers: the same verdicts, the same release."""
-    named = compact_and_go_on(claude_code, watch, "the weather")
+    ``/v1/messages``) as a session the plugin infers: the same verdicts, the same release.
+    Every answer is one of its own, as a real model's are: an answer two conversations gave
+    alike links neither (``core/answer_chains.py``), and the agents that name no session,
+    tested on this server after this test, are linked by their answers."""
+    script(SCRIPTED_ANSWERS, unique=True)
+    try:
+        named = compact_and_go_on(claude_code, watch, "the weather")
+        unnamed = compact_and_go_on(claude_code_behind_vllm_router, watch, "the tides")
+    finally:
+        script(SCRIPTED_ANSWERS, unique=False)
     assert named[0]["sessions"] >= 1 and named[0]["implicit.started"] == 0  # its header
     with_header = check_compact_and_go_on(named)
-    unnamed = compact_and_go_on(claude_code_behind_vllm_router, watch, "the tides")
     assert unnamed[0]["implicit.started"] == 1, unnamed[0].changed()  # no header came through
     assert all(step["implicit.started"] == 0 for step in unnamed[1:]), [
         s.changed() for s in unnamed
