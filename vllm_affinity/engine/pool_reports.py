@@ -66,9 +66,8 @@ class PoolReports(OverBindings):
 
     def stats(self, exact: bool = False) -> EngineStats:
         """The counters and sizes (``exact``: each group's bindings too, ``group_stats``)."""
-        bindings = (
-            self._bindings.block_states.bindings()
-        )  # one pass over the pool (settled), read once
+        # one pass over the pool (its handouts settled), read once
+        bindings = self._bindings.block_states.bindings()
         return EngineStats(
             segments=Segments(**self.queue.segment_sizes()),
             pending=self.queue.num_pending,
