@@ -203,3 +203,58 @@ def test_a_planted_upward_import_of_an_engine_part_is_found() -> None:
         "vllm_affinity.engine.bindings -> vllm_affinity.engine.releases",
         "vllm_affinity.engine.picker -> vllm_affinity.engine.families",
     ]
+
+
+#: The pure core's split tables: each door (what the rest imports) over the part it is built on,
+#: which imports neither its door nor anything above it, and which nothing outside the core
+#: imports but its door.
+CORE_DOORS: dict[str, str] = {
+    "vllm_affinity.core.queue": "vllm_affinity.core.queue_links",
+    "vllm_affinity.core.sessions": "vllm_affinity.core.record_holds",
+}
+
+
+def core_parts_crossed(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> part`` for each import of a core part by anything but its door or the
+    core's own package, and ``part -> door`` for a part that imports its door."""
+    found = []
+    for door, part in CORE_DOORS.items():
+        found += [f"{part} -> {door}" for target in graph.get(part, ()) if target == door]
+        found += [
+            f"{module} -> {part}"
+            for module, targets in graph.items()
+            if part in targets
+            and module not in (door, "vllm_affinity.core", part)
+            and not module.startswith(part.rpartition(".")[0] + ".")  # core beside it: fine
+        ]
+    return found
+
+
+def test_the_cores_split_tables_keep_their_doors() -> None:
+    graph = module_graph("vllm_affinity")
+    for door, part in CORE_DOORS.items():
+        assert part in graph[door], f"{door} no longer builds on {part}"
+    assert not core_parts_crossed(graph)
+
+
+def test_a_planted_import_past_a_core_door_is_found() -> None:
+    graph = module_graph("vllm_affinity")
+    graph["vllm_affinity.engine.bindings"].add("vllm_affinity.core.record_holds")
+    graph["vllm_affinity.core.queue_links"].add("vllm_affinity.core.queue")
+    assert sorted(core_parts_crossed(graph)) == [
+        "vllm_affinity.core.queue_links -> vllm_affinity.core.queue",
+        "vllm_affinity.engine.bindings -> vllm_affinity.core.record_holds",
+    ]
+
+
+#: A module a reader takes in at one sitting: the plugin's modules stay under this many lines.
+MOST_LINES = 500
+
+
+def test_every_plugin_module_reads_in_one_sitting() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted((ROOT / "vllm_affinity").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MOST_LINES
+    }
+    assert not long, f"over {MOST_LINES} lines: split them by responsibility: {long}"
