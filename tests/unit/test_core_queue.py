@@ -140,17 +140,77 @@ def test_prefix_hit_on_released_block_makes_it_live_again() -> None:
     assert q.segment_of(blocks[0]) is Segment.NORMAL
 
 
-def test_iter_blocks_after_crosses_segments() -> None:
-    blocks = [FakeBlock(i) for i in range(5)]
+def test_iter_blocks_after_crosses_segments_and_leaves_released_out() -> None:
+    """vLLM's one reader of this walk is an offloader copying what the GPU evicts next: a
+    released block is dead, not worth a copy (``get_all_free_blocks`` lists every segment)."""
+    blocks = [FakeBlock(i) for i in range(6)]
     q = SegmentedFreeBlockQueue(blocks)
-    q.append_n(cached(q.popleft_n(3)))  # 3,4 FREE; 0,1,2 NORMAL
+    q.append_n(cached(q.popleft_n(4)))  # 4,5 FREE; 0,1,2,3 NORMAL
     q.release(blocks[2])  # 2 RELEASED
-    assert ids(q.iter_blocks_after(None)) == [3, 4, 2, 0, 1]
-    assert ids(q.iter_blocks_after(blocks[4])) == [2, 0, 1]
-    assert ids(q.iter_blocks_after(blocks[2])) == [0, 1]
+    q.idle(blocks[3])  # 3 IDLE
+    assert ids(q.get_all_free_blocks()) == [4, 5, 2, 3, 0, 1]
+    assert ids(q.iter_blocks_after(None)) == [4, 5, 3, 0, 1]
+    assert ids(q.iter_blocks_after(blocks[5])) == [3, 0, 1]
+    assert ids(q.iter_blocks_after(blocks[3])) == [0, 1]
     assert ids(q.iter_blocks_after(blocks[1])) == []
+    q.release(blocks[0])  # the cursor released since the last walk: on from IDLE
+    assert ids(q.iter_blocks_after(blocks[0])) == [3, 1]
     popped = q.popleft()
     assert ids(q.iter_blocks_after(popped)) == []
+
+
+def test_an_offloaders_copy_parks_marked_blocks_where_it_found_them() -> None:
+    """An offloader takes blocks out of the queue to copy them (vLLM's ``touch``) and frees them
+    when the copy is done (``append_n``): under ``offloading`` a released, idle or protected
+    block is no hit and goes back to the head of its segment, in its order; a NORMAL one goes
+    to NORMAL's tail as in vLLM."""
+    blocks = [FakeBlock(i) for i in range(8)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(8)))  # NORMAL 0..7
+    q.release(blocks[0])
+    for b in (1, 2, 3):
+        q.idle(blocks[b])
+    q.protect(blocks[7])
+    with q.offloading():  # the copy's hold, block by block as BlockPool.touch does
+        for b in (0, 1, 2, 4, 7):
+            q.remove(blocks[b])
+    assert q.released_hit == 0
+    assert q.num_pending == 4  # the marked ones wait to go back
+    q.remove(blocks[3])  # a prompt's hit, outside the copy: live again
+    q.append_n([blocks[b] for b in (0, 1, 2, 4, 7)])  # the copy done
+    q.append(blocks[3])  # its request done
+    assert ids(q.get_all_free_blocks()) == [0, 1, 2, 5, 6, 4, 3, 7]
+    assert q.segment_sizes() == {"free": 0, "released": 1, "idle": 2, "normal": 4, "protected": 1}
+    assert q.num_pending == 0
+
+
+def test_a_parked_block_released_or_taken_meanwhile_goes_where_its_last_news_says() -> None:
+    blocks = [FakeBlock(i) for i in range(4)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(4)))
+    q.idle(blocks[0])
+    q.idle(blocks[1])
+    with q.offloading():
+        q.remove(blocks[0])
+        q.remove(blocks[1])
+    assert q.release(blocks[0]) is ReleaseResult.PENDING  # released while the copy runs
+    q.cancel_pending_many([1])  # a request bound it: live
+    q.append_n([blocks[0], blocks[1]])
+    assert q.segment_of(blocks[0]) is Segment.RELEASED
+    assert q.segment_of(blocks[1]) is Segment.NORMAL
+    assert ids(q.get_all_free_blocks()) == [0, 2, 3, 1]
+
+
+def test_without_an_offloader_a_released_blocks_hit_still_counts() -> None:
+    blocks = [FakeBlock(i) for i in range(2)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(2)))
+    q.release(blocks[0])
+    with q.offloading():
+        pass
+    q.remove(blocks[0])
+    assert q.released_hit == 1
+    assert q.num_pending == 0
 
 
 def test_errors() -> None:

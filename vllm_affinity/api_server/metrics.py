@@ -85,6 +85,13 @@ class _EngineCollector:
             "and checkpoint blocks a later request sharing them kept recent (blocks_refreshed)",
             labels=["action", "engine"],
         )
+        offload = CounterMetricFamily(
+            "vllm_affinity_engine_offload_blocks",
+            "vLLM's simple CPU offloader: CPU-tier copies of released blocks put first in the "
+            "tier's reuse order (released), and released or idle GPU blocks its copies held "
+            "and put back in their place (parked)",
+            labels=["action", "engine"],
+        )
         spent = CounterMetricFamily(
             "vllm_affinity_engine_seconds",
             "Seconds the plugin spent on the engine core's scheduler path (binding blocks to "
@@ -141,6 +148,8 @@ class _EngineCollector:
             checkpoints.add_metric(
                 ["blocks_refreshed", engine], stats.counter("checkpoint_blocks_refreshed")
             )
+            for action in ("released", "parked"):
+                offload.add_metric([action, engine], stats.counter(f"offload_blocks_{action}"))
             for path, count in stats.engine_errors.items():
                 errors.add_metric([path, engine], count)
             for key, count in stats.malformed_args.items():
@@ -163,6 +172,7 @@ class _EngineCollector:
         yield protected
         yield group_blocks
         yield checkpoints
+        yield offload
         yield spent
         yield steps
         yield children

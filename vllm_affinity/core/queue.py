@@ -45,6 +45,7 @@ the counts (what a block's segment is, and how one goes in or out).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from time import perf_counter_ns
 
 from .queue_links import (
@@ -335,9 +336,9 @@ class SegmentedFreeBlockQueue(SegmentLinks):
             self.remove(block)
             self._link_run([block], _RELEASED)
             return ReleaseResult.MOVED
-        if segment != _OUT or block.block_id in self._pending:
+        if segment != _OUT or self._pending.get(block.block_id) == _RELEASED:
             return ReleaseResult.NOOP
-        self._pending.add(block.block_id)
+        self._pending[block.block_id] = _RELEASED  # parked by a copy, too: released now
         return ReleaseResult.PENDING
 
     def idle(self, block: Block) -> IdleResult:
@@ -381,16 +382,28 @@ class SegmentedFreeBlockQueue(SegmentLinks):
 
     def cancel_pending(self, block_id: int) -> bool:
         """Another user took the block: when freed it goes back to NORMAL."""
-        if block_id in self._pending:
-            self._pending.discard(block_id)
-            return True
-        return False
+        return self._pending.pop(block_id, None) is not None
 
     def pending_ids(self) -> list[int]:
-        """The blocks released while in use, that go to RELEASED when freed."""
+        """The blocks that go to a marked segment when freed (``num_pending``)."""
         return list(self._pending)
 
     def cancel_pending_many(self, block_ids: Iterable[int]) -> None:
-        """``cancel_pending`` for each of ``block_ids``, in one set operation."""
-        if self._pending:
-            self._pending.difference_update(block_ids)
+        """``cancel_pending`` for each of ``block_ids``."""
+        pending = self._pending
+        if pending:
+            for block_id in block_ids:
+                pending.pop(block_id, None)
+
+    @contextmanager
+    def offloading(self) -> Iterator[None]:
+        """An offloader copies the blocks it takes out of the queue meanwhile (its hold, vLLM's
+        ``BlockPool.touch``): a RELEASED, IDLE or PROTECTED one is parked, not used: no
+        ``released_hit``, and when the copy frees it, it goes back to the head of its segment,
+        where the offloader's walk (eviction order) found it. A block a request binds meanwhile
+        is live again (``cancel_pending``): NORMAL's tail when freed, as any other."""
+        self._parking = True
+        try:
+            yield
+        finally:
+            self._parking = False

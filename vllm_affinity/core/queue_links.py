@@ -71,6 +71,9 @@ class _Sentinel:
 _NORMAL, _FREE, _RELEASED, _IDLE, _PROTECTED, _OUT = 0, 1, 2, 3, 4, -1  # plain ints: hot path
 _POP_ORDER = (_FREE, _RELEASED, _IDLE, _NORMAL, _PROTECTED)
 _MARKED = (_RELEASED, _IDLE, _PROTECTED)
+#: A pending block's target past this: back to the *head* of segment ``target - _PARKED`` (an
+#: offloader's copy took it out of its place there), not the tail.
+_PARKED = 8
 
 
 class SegmentLinks:
@@ -106,7 +109,11 @@ class SegmentLinks:
         self._num_marked = 0  # size of RELEASED + IDLE + PROTECTED: the hot paths' one check
         self._num_idle = 0  # size of IDLE
         self._num_protected = 0  # size of PROTECTED
-        self._pending: set[int] = set()
+        #: Blocks out of the queue that go to a marked segment when freed, by id: RELEASED's
+        #: tail (released in use), or ``_PARKED + segment``, the head of the segment an
+        #: offloader's copy took them from (``offloading``). Unlisted: NORMAL's tail.
+        self._pending: dict[int, int] = {}
+        self._parking = False  # an offloader is copying: a block taken out is parked
         self._picker: Picker | None = None
         self._on_handout: Callable[[list[Block]], None] | None = None
         self._on_hook_error: Callable[[str, Exception], None] | None = None
@@ -118,6 +125,8 @@ class SegmentLinks:
         self.protected_reused = 0
         #: Cached blocks (any segment but FREE) handed out: the pool's eviction clock.
         self.cached_reused = 0
+        #: Marked blocks an offloader's copy took out and was to put back (``offloading``).
+        self.parked = 0
         #: Nanoseconds the picker took choosing victims (part of the plugin's time per step).
         self.picker_ns = 0
         self._link_run(blocks, _FREE)
@@ -134,12 +143,16 @@ class SegmentLinks:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
         if self._num_marked and self._mark[block.block_id]:  # RELEASED, IDLE or PROTECTED
-            if self._mark[block.block_id] == _IDLE:
+            mark = self._mark[block.block_id]
+            if mark == _IDLE:
                 self._num_idle -= 1
-            elif self._mark[block.block_id] == _PROTECTED:
+            elif mark == _PROTECTED:
                 self._num_protected -= 1
-            else:  # a prompt needed a released block after all: the release was wrong
+            elif not self._parking:  # a prompt needed a released block: the release was wrong
                 self.released_hit += 1
+            if self._parking:  # a copy, not a use: back to its place when the copy is done
+                self._pending[block.block_id] = _PARKED + mark
+                self.parked += 1
             self._mark[block.block_id] = _NORMAL
             self._num_marked -= 1
 
@@ -147,17 +160,13 @@ class SegmentLinks:
         self.append_n([block])
 
     def append_n(self, blocks: list[Block]) -> None:
-        """Freed cached blocks: tail of NORMAL, or of RELEASED for blocks released in use."""
+        """Freed cached blocks: tail of NORMAL; a pending block where it waits to go (the tail of
+        RELEASED, or its place back after an offloader's copy)."""
         if not blocks:
             return
         pending = self._pending
         if pending and any(b.block_id in pending for b in blocks):
-            for block in blocks:
-                if block.block_id in pending:
-                    pending.discard(block.block_id)
-                    self._link_run([block], _RELEASED)
-                else:
-                    self._link_run([block], _NORMAL)
+            self._append_pending(blocks)
             return
         # vLLM's own append_n loop: NORMAL needs no mark. This is BlockPool's hottest call.
         tail = self._normal_tail
@@ -170,12 +179,25 @@ class SegmentLinks:
         tail.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
+    def _append_pending(self, blocks: list[Block]) -> None:
+        """``append_n`` of blocks some of which are pending, each segment's run in order."""
+        runs: dict[int, list[Block]] = {}
+        pop = self._pending.pop
+        for block in blocks:
+            runs.setdefault(pop(block.block_id, _NORMAL), []).append(block)
+        for target, run in runs.items():
+            if target >= _PARKED:
+                self._link_run(run, target - _PARKED, first=True)
+            else:
+                self._link_run(run, target)
+
     def prepend_n(self, blocks: list[Block]) -> None:
         """Put blocks at the head of FREE, keeping their order (the first is popped first)."""
         if not blocks:
             return
         if self._pending:
-            self._pending.difference_update(b.block_id for b in blocks)
+            for block in blocks:
+                self._pending.pop(block.block_id, None)
         prev: Any = self._free_head
         after = prev.next_free_block
         for block in blocks:  # vLLM's own prepend_n loop: FREE needs no mark
@@ -188,23 +210,38 @@ class SegmentLinks:
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[Block]:
-        return list(self.iter_blocks_after(None))
+        """Every queued block, in eviction order (every segment)."""
+        return list(self._walk(self._heads[_FREE].next_free_block, ()))
 
     def iter_blocks_after(self, cursor: Block | None) -> Iterator[Block]:
         """Free blocks in eviction order after ``cursor`` (from the start when ``None``; nothing
-        when the cursor is no longer in the queue, as in vLLM)."""
+        when the cursor is no longer in the queue, as in vLLM), RELEASED left out.
+
+        vLLM's one caller is an offloader's walk (the simple CPU offloader's lazy mode), which
+        copies the blocks it reads to its CPU tier before the GPU evicts them: a released
+        block's content is dead, not worth a copy, and the copy's hold would undo its release.
+        """
         if cursor is None:
             node = self._heads[_FREE].next_free_block
         elif cursor.prev_free_block is None:
             return
+        elif self._num_marked and self._mark[cursor.block_id] == _RELEASED:
+            node = self._heads[_IDLE].next_free_block  # released since the last walk
         else:
             node = cursor.next_free_block
+        yield from self._walk(node, (_RELEASED,))
+
+    def _walk(self, node: Any, skip: tuple[int, ...]) -> Iterator[Block]:
+        """The blocks from ``node`` to the end of its segment, then the later segments' but
+        ``skip``'s, in pop order."""
         tails = self._tails
-        while True:  # to the end of the cursor's segment, then the segments after it
+        while True:
             while not isinstance(node, _Sentinel):
                 yield node
                 node = node.next_free_block
             later = _POP_ORDER.index(tails.index(node)) + 1
+            while later < len(_POP_ORDER) and _POP_ORDER[later] in skip:
+                later += 1
             if later == len(_POP_ORDER):
                 return
             node = self._heads[_POP_ORDER[later]].next_free_block
@@ -236,6 +273,8 @@ class SegmentLinks:
 
     @property
     def num_pending(self) -> int:
+        """Blocks out of the queue that go to a marked segment when freed (released in use, or
+        parked by an offloader's copy)."""
         return len(self._pending)
 
     # -- links --------------------------------------------------------------------------------
@@ -247,14 +286,19 @@ class SegmentLinks:
             return mark
         return _FREE if block.block_hash is None else _NORMAL
 
-    def _link_run(self, blocks: list[Block], segment: int) -> None:
-        """Link ``blocks`` (in order) at the tail of ``segment``; mark them if RELEASED, IDLE
-        or PROTECTED."""
+    def _link_run(self, blocks: list[Block], segment: int, first: bool = False) -> None:
+        """Link ``blocks`` (in order) at the tail of ``segment`` (``first``: at its head); mark
+        them if RELEASED, IDLE or PROTECTED."""
         if not blocks:
             return
         mark = self._mark
-        after = self._tails[segment]
-        prev = after.prev_free_block
+        prev: Any
+        if first:
+            prev = self._heads[segment]
+            after = prev.next_free_block
+        else:
+            after = self._tails[segment]
+            prev = after.prev_free_block
         marked = segment in _MARKED
         for block in blocks:
             if marked:

@@ -31,6 +31,7 @@ EnginePath = Literal[
     "handout",
     "picker",
     "utility",
+    "offload",
 ]
 
 

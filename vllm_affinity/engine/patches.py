@@ -48,6 +48,7 @@ from ..core.compaction import AgentWindow, CompactionRule, Window
 from ..core.groups import KVGroup, kind_of
 from ..settings import Settings
 from .fail_open import ERRORS, utility
+from .offload import apply_offload_patches
 from .pool_affinity import PoolAffinity, affinity_of, session_of
 
 _applied = False
@@ -440,6 +441,7 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
     wrapt.wrap_function_wrapper(Scheduler, "schedule", _schedule)
+    apply_offload_patches()
     chain_of, record_answer = _make_chain_utilities(settings.max_sessions)
     utilities = {
         "affinity_release_prompt": affinity_release_prompt,

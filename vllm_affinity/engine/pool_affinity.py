@@ -47,7 +47,7 @@ from .checkpoints import InstructionCheckpoints, has_sparse_groups
 from .fail_open import ERRORS
 from .families import Families
 from .picker import ReturnPicker
-from .pool_context import PoolContext
+from .pool_context import OffloadTier, PoolContext
 from .pool_reports import PoolReports
 from .releases import Releases
 from .request_view import keys_of
@@ -123,6 +123,11 @@ class PoolAffinity:
         if self._picker is None and len(groups) > 1:
             self.predict_returns(False)  # ``auto`` on a hybrid model: LRU's order
         self._ctx.group_counts = [dict.fromkeys(GROUP_COUNTERS, 0) for _ in groups]
+
+    def attach_tier(self, tier: OffloadTier) -> None:
+        """An offloader copies this pool's blocks to ``tier`` (``offload.py``): a release tells
+        it which copies are dead too."""
+        self._ctx.tiers.append(tier)
 
     def predict_returns(self, on: bool) -> None:
         """Turn the predicted-return picker on (a fresh predictor) or off (LRU's victims)."""

@@ -8,9 +8,9 @@ engine time is a running sum."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..core import SegmentedFreeBlockQueue
 from ..core.counters import Counters
@@ -19,6 +19,13 @@ from ..core.idle_guard import IdleGuard
 from ..core.returns import ReturnPredictor
 from ..core.siblings import SiblingStarts
 from ..core.subagents import Subagents
+
+
+class OffloadTier(Protocol):
+    """A tier the pool's blocks are copied to (``offload.py``): told of the released blocks'
+    hashes, it reuses their copies first; answers how many it moved."""
+
+    def release(self, block_hashes: Sequence[Any]) -> int: ...
 
 
 @dataclass(slots=True)
@@ -54,3 +61,5 @@ class PoolContext:
     #: picker) and the scheduler steps run: ``/metrics`` shows the time per step.
     engine_ns: int = 0
     steps: int = 0
+    #: Where the pool's blocks are copied to (an offloader's CPU tier): told of releases.
+    tiers: list[OffloadTier] = field(default_factory=list)

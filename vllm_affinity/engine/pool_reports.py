@@ -87,6 +87,7 @@ class PoolReports(OverBindings):
                 **self.counters.as_dict(),
                 "engine_us": (self._ctx.engine_ns + self.queue.picker_ns) // 1000,
                 "engine_steps": self._ctx.steps,
+                "offload_blocks_parked": self.queue.parked,
             },
         )
 

@@ -16,10 +16,18 @@ from typing import Any
 
 from jiuwen_kv_protocol.models import EngineRelease, EngineRestore, ReleaseMode
 
-from ..core import HOLE, ReleaseResult, ReleaseSelection, SessionBlocks, first_stale_block
+from ..core import (
+    HOLE,
+    ReleaseResult,
+    ReleaseSelection,
+    Segment,
+    SessionBlocks,
+    first_stale_block,
+)
 from ..core.compaction import retried_branch, side_branch
 from ..core.groups import KVGroup
 from .bindings import Bindings, OverBindings
+from .fail_open import ERRORS
 from .pool_context import PoolContext
 
 
@@ -232,6 +240,8 @@ class Releases(OverBindings):
                 results = Counter(
                     self.queue.release(self.pool.blocks[b]) for b in selection.block_ids
                 )
+                if self._ctx.tiers and results[ReleaseResult.MOVED]:
+                    self._release_copies(selection.block_ids)
                 counts["blocks_released"] += (
                     results[ReleaseResult.MOVED] + results[ReleaseResult.PENDING]
                 )
@@ -252,6 +262,19 @@ class Releases(OverBindings):
             kept_shared=sum(s.kept_shared for s in [*selections, *also]),
             first_stale_block=first_blocks[0],
         )
+
+    def _release_copies(self, block_ids: Sequence[int]) -> None:
+        """The offload tiers' copies of the released blocks now queued as RELEASED (not the
+        ones still in use: a request may yet bind them) go first there too."""
+        blocks, released = self.pool.blocks, Segment.RELEASED
+        hashes = [
+            blocks[b].block_hash for b in block_ids if self.queue.segment_of(blocks[b]) is released
+        ]
+        for tier in self._ctx.tiers:
+            try:
+                self.counters.add("offload_blocks_released", tier.release(hashes))
+            except Exception as exc:  # the GPU's release stands; the tier keeps its order
+                ERRORS.caught("offload", exc)
 
     def note_side_head(self, branch: str, head: int) -> None:
         """The instruction length of a side branch's latest request (bounded, oldest out)."""

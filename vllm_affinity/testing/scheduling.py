@@ -13,6 +13,7 @@ adapter tests and ``benchmarks/engine/engine_scale.py``).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,10 @@ def scheduler(
     max_num_batched_tokens: int = 8192,
     block_size: int = 16,
     prefix_caching: bool = True,
+    kv_transfer_config: Any = None,
 ) -> Any:
     """vLLM's ``Scheduler`` over ``kv_cache_config`` (chunked prefill; prefix caching on
-    unless told)."""
+    unless told; ``kv_transfer_config``: a KV connector's scheduler side, e.g. an offloader)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
@@ -60,6 +62,7 @@ def scheduler(
     config = VllmConfig(
         model_config=model, scheduler_config=scheduling, cache_config=caching,
         device_config=DeviceConfig(device="cpu"),  # no model runs: no device to detect
+        kv_transfer_config=kv_transfer_config,
     )  # fmt: skip
     return Scheduler(
         vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
@@ -67,9 +70,13 @@ def scheduler(
     )  # fmt: skip
 
 
-def step(scheduler: Any, token: int = 7) -> list[str]:
+def step(
+    scheduler: Any, token: int = 7, connector: Callable[[Any], Any] | None = None
+) -> list[str]:
     """One engine step with no model: every scheduled request whose prompt is computed samples
-    ``token``. The ids of the requests that finished in it."""
+    ``token``; ``connector``: what the workers' KV connector reports of the step (its
+    ``KVConnectorOutput``, from the step's output), as if its transfers were done. The ids of
+    the requests that finished in it."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     output = scheduler.schedule()
@@ -81,6 +88,8 @@ def step(scheduler: Any, token: int = 7) -> list[str]:
     runner = ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
     )
+    if connector is not None:
+        runner.kv_connector_output = connector(output)
     finished: list[str] = []
     for outputs in scheduler.update_from_output(output, runner).values():
         finished += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
