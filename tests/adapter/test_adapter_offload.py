@@ -1,6 +1,7 @@
-"""Releases and idles through vLLM's simple CPU offloader (``engine/offload.py``), on vLLM's real
-``Scheduler`` with its real ``SimpleCPUOffloadConnector`` (scheduler side; no model, no worker):
-the test completes each step's copies as the workers would report them."""
+"""Releases and idles through vLLM's CPU offload tiers (``engine/offload.py``), on vLLM's real
+``Scheduler`` with its real ``SimpleCPUOffloadConnector`` and ``OffloadingConnector``
+(scheduler side; no model, no worker): the test completes each step's copies as the workers
+would report them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from typing import Any
 import pytest
 import torch
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -17,6 +22,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 from vllm_parts import BLOCK, make_request, state_of, tokens
@@ -24,12 +31,15 @@ from vllm_parts import BLOCK, make_request, state_of, tokens
 from vllm_affinity.core import Segment
 from vllm_affinity.engine import apply_engine_patches
 from vllm_affinity.engine.fail_open import ERRORS
+from vllm_affinity.engine.offload import StaleFirst
 from vllm_affinity.testing.scheduling import scheduler, step
 
 apply_engine_patches()
 
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
 PAGE = SPEC.page_size_bytes
+#: One chunk of the ``OffloadingConnector``'s tier (a block, padded to the tier's alignment).
+CHUNK = max(PAGE, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
 
 
 def one_group(num_blocks: int) -> KVCacheConfig:
@@ -54,10 +64,26 @@ class Offloaded:
 
     @classmethod
     def build(cls, gpu_blocks: int, cpu_blocks: int, lazy: bool) -> Offloaded:
+        """The simple CPU offloader, lazy or eager."""
+        return cls.with_connector(
+            gpu_blocks,
+            "SimpleCPUOffloadConnector",
+            {"cpu_bytes_to_use": PAGE * cpu_blocks, "lazy_offload": lazy},
+        )
+
+    @classmethod
+    def chunked(cls, gpu_blocks: int, cpu_chunks: int, policy: str) -> Offloaded:
+        """The ``OffloadingConnector``, a chunk per block, its tier evicting by ``policy``."""
+        return cls.with_connector(
+            gpu_blocks,
+            "OffloadingConnector",
+            {"cpu_bytes_to_use": CHUNK * cpu_chunks, "eviction_policy": policy},
+        )
+
+    @classmethod
+    def with_connector(cls, gpu_blocks: int, name: str, extra: dict[str, Any]) -> Offloaded:
         config = KVTransferConfig(
-            kv_connector="SimpleCPUOffloadConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": PAGE * cpu_blocks, "lazy_offload": lazy},
+            kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra
         )
         engine = scheduler(
             one_group(gpu_blocks),
@@ -77,9 +103,23 @@ class Offloaded:
     def cpu_pool(self) -> Any:
         return self.engine.connector.scheduler_manager.cpu_block_pool
 
+    @property
+    def policy(self) -> Any:
+        """The ``OffloadingConnector``'s tier's cache policy."""
+        return self.engine.connector.connector_scheduler.manager._policy
+
     def done(self, output: Any) -> KVConnectorOutput:
         """The workers' report of the step: every copy it asked for is done."""
         meta = output.kv_connector_metadata
+        if isinstance(meta, OffloadingConnectorMetadata):
+            jobs = {**meta.load_jobs, **meta.store_jobs}
+            self.loads += [len(job.dst_spec.block_ids) for job in meta.load_jobs.values()]
+            return KVConnectorOutput(
+                finished_recving={job.req_id for job in meta.load_jobs.values()} or None,
+                kv_connector_worker_meta=OffloadingWorkerMetadata(
+                    completed_jobs=dict.fromkeys(jobs, 1)
+                ),
+            )
         stored = {}
         if meta.store_event >= 0:
             self.stores += meta.store_gpu_blocks
@@ -104,11 +144,13 @@ class Offloaded:
 
     def settle(self) -> None:
         """Steps with nothing to run until the copies a finished request left are done."""
+        manager = getattr(self.engine.connector, "scheduler_manager", None)
         for _ in range(4):
-            if not self.engine.connector.scheduler_manager.has_pending_stores():
+            if manager is not None and not manager.has_pending_stores():
                 return
             step(self.engine, connector=self.done)
-        raise AssertionError("the offloader's copies never completed")
+        if manager is not None:
+            raise AssertionError("the offloader's copies never completed")
 
 
 def test_the_lazy_offloader_never_copies_a_released_block_and_idles_keep_their_place() -> None:
@@ -202,3 +244,59 @@ def test_without_releases_the_offloader_copies_as_vllms_own(lazy: bool) -> None:
     assert with_plugin == vanilla
     assert with_plugin[0]  # it did copy
     assert with_plugin[1] or lazy  # and eager mode loaded (lazy's walk left the prefix)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_offloading_connectors_tier_evicts_released_chunks_before_live_ones(
+    policy: str,
+) -> None:
+    """vLLM's default offloader stores every chunk as it is computed: a compacted session's
+    dead chunks sit in the CPU tier. After the release they are the tier's first victims,
+    whatever its policy; without the release (vLLM's order) an older session's live chunks
+    go."""
+    for release in (True, False):
+        tier = Offloaded.chunked(gpu_blocks=64, cpu_chunks=17, policy=policy)
+        state = tier.state
+        assert isinstance(tier.policy, StaleFirst)
+        old = tier.run("old", 5000, 6)
+        tier.run("A", 0, 8)
+        old_keys = [state.pool.blocks[b].block_hash for b in old]
+        assert all(tier.policy.get(key) is not None for key in old_keys)  # stored
+        if release:
+            assert state.release("A", 2).moved == 6
+            assert state.stats().model_dump()["offload_blocks_released"] == 6
+            assert tier.policy.stale == 6
+        tier.run("C", 2000, 5)  # the tier (17 chunks, 14 used) makes room for two
+        kept = sum(tier.policy.get(key) is not None for key in old_keys)
+        if release:
+            assert kept == 6 and tier.policy.stale == 4
+        else:
+            assert kept < 6
+        assert state.queue.released_hit == 0
+
+
+def test_stale_first_keeps_vllms_eviction_contract() -> None:
+    """``evict`` gives exactly n chunks outside ``protected``, or None and changes nothing; a
+    chunk in use (a transfer reads it) is never given; the rest comes from the policy."""
+    import inspect
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+
+    policy = StaleFirst(LRUCachePolicy(cache_capacity=4))
+    # vLLM 0.33's insert also takes the request's context
+    context = (
+        (ReqContext("r"),) if "req_context" in inspect.signature(policy.insert).parameters else ()
+    )
+    for n, key in enumerate((b"a", b"b", b"c", b"d")):
+        chunk = ChunkStatus(n)
+        chunk.ref_cnt = 0
+        policy.insert(key, chunk, *context)
+    policy.get(b"d").ref_cnt = 1  # being loaded
+    policy.mark_non_evictable(b"d")
+    assert policy.release([b"c", b"d", b"zz", None]) == 2
+    assert policy.evict(4, set()) is None  # only three evictable
+    assert policy.stale == 2 and policy.get(b"c") is not None
+    assert [key for key, _ in policy.evict(2, {b"a"})] == [b"c", b"b"]
+    assert policy.stale == 1  # d, in use, waits
+    assert policy.get(b"c") is None and policy.get(b"a") is not None

@@ -18,12 +18,25 @@ released block, and put released and idle blocks back at NORMAL's most-recently-
   also moves the CPU tier's copies of the released blocks (found by hash) to the head of its
   reuse order: the tier drops dead copies before another session's live ones.
 
+The ``OffloadingConnector`` (``--kv-offloading-size``, vLLM's default offloader) stores each
+chunk to its CPU tier as it is computed, so a compacted session's dead chunks are there before
+any release; its tier evicts by a cache policy (LRU, ARC or one of the user's). Here:
+
+- ``CPUOffloadingManager.__init__``: its policy, whichever, is wrapped in ``StaleFirst``: an
+  eviction takes the chunks a release declared dead first, then asks the policy for the rest;
+- ``Scheduler.__init__``: the GPU pool's plugin state learns of that policy as a tier: a release
+  names the released blocks' hashes, which are the tier's chunk keys (``make_offload_key`` packs
+  a block hash and its group as vLLM packs a GPU block's hash; a chunk of several blocks is keyed
+  by its last, and a chunk whose last block a release frees can serve no other prompt: the
+  plugin releases only blocks no other session holds).
+
 Fail open: a failure here is counted under ``offload`` and the offloader goes on as vLLM's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +74,85 @@ class CPUBlockTier:
         return moved
 
 
+class StaleFirst(wrapt.ObjectProxy):  # type: ignore[misc]
+    """A CPU tier's cache policy (any) whose evictions take the chunks releases declared dead
+    first, oldest release first; the rest is the policy's own choice. The dead keys it keeps
+    are bounded by the tier's capacity (the oldest forgotten first)."""
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__(policy)
+        self._self_stale: OrderedDict[bytes, None] = OrderedDict()
+        self._self_cap = max(1, int(getattr(policy, "cache_capacity", 0) or 0))
+
+    @property
+    def stale(self) -> int:
+        """Chunks declared dead and not evicted yet (or evicted by the policy's own choice)."""
+        return len(self._self_stale)
+
+    def release(self, block_hashes: Sequence[Any]) -> int:
+        """Mark the tier's chunks keyed by ``block_hashes`` dead; how many it holds."""
+        stale, policy = self._self_stale, self.__wrapped__
+        found = 0
+        for block_hash in block_hashes:
+            if block_hash is not None and policy.get(block_hash) is not None:
+                stale[block_hash] = None
+                stale.move_to_end(block_hash)
+                found += 1
+        while len(stale) > self._self_cap:
+            stale.popitem(last=False)
+        return found
+
+    def evict(self, n: int, protected: set[Any]) -> list[tuple[Any, Any]] | None:
+        """vLLM's contract: exactly ``n`` evictable chunks outside ``protected``, or None and no
+        change. The dead ones first (ready, no transfer using them), then the policy's."""
+        stale, policy = self._self_stale, self.__wrapped__
+        if not stale or n <= 0:
+            return policy.evict(n, protected)  # type: ignore[no-any-return]
+        picked: list[tuple[Any, Any]] = []
+        for key in list(stale):
+            if len(picked) == n:
+                break
+            chunk = policy.get(key)
+            if chunk is None:  # evicted by the policy's own choice meanwhile
+                del stale[key]
+            elif chunk.ref_cnt == 0 and key not in protected:
+                picked.append((key, chunk))
+        if len(picked) < n:
+            rest = policy.evict(n - len(picked), protected | {key for key, _ in picked})
+            if rest is None:
+                return None
+        else:
+            rest = []
+        for key, _ in picked:
+            policy.remove(key)  # out of the policy's structures, as its own evict does
+            del stale[key]
+        return picked + rest
+
+
+def _cpu_manager_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    """The tier's policy, whichever it is, takes dead chunks first."""
+    wrapped(*args, **kwargs)
+    try:
+        instance._policy = StaleFirst(instance._policy)
+    except Exception as exc:
+        ERRORS.caught("offload", exc)
+
+
+def _scheduler_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    """A scheduler with the ``OffloadingConnector``: its GPU pool tells the tier's policy of
+    releases."""
+    wrapped(*args, **kwargs)
+    try:
+        connector = getattr(instance, "connector", None)
+        manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+        policy = getattr(manager, "_policy", None)
+        state = affinity_of(instance.kv_cache_manager.block_pool)
+        if isinstance(policy, StaleFirst) and state is not None:
+            state.attach_tier(policy)
+    except Exception as exc:
+        ERRORS.caught("offload", exc)
+
+
 def _gpu_queue(offloader: Any) -> SegmentedFreeBlockQueue | None:
     queue = getattr(getattr(offloader, "_gpu_block_pool", None), "free_block_queue", None)
     return queue if isinstance(queue, SegmentedFreeBlockQueue) else None
@@ -94,7 +186,16 @@ def _bind_gpu_block_pool(wrapped: Any, instance: Any, args: Any, kwargs: Any) ->
 
 
 def apply_offload_patches() -> None:
-    """Wrap the simple offloader's scheduler side, where this vLLM has it."""
+    """Wrap the offloaders' scheduler sides, where this vLLM has them."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    wrapt.wrap_function_wrapper(Scheduler, "__init__", _scheduler_init)
+    try:
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    except ImportError:
+        logger.debug("vllm_affinity: no CPU offloading manager in this vLLM")
+    else:
+        wrapt.wrap_function_wrapper(CPUOffloadingManager, "__init__", _cpu_manager_init)
     try:
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
     except ImportError:  # a build without it: nothing to wrap
