@@ -152,3 +152,33 @@ def test_a_release_that_keeps_tokens_keeps_the_block_straddling_their_end() -> N
     kept = state.release_divergent("A", cut.block_hashes, "post", keep_tokens=2 * BLOCK + 5)
     assert (kept.first_stale_block, kept.block_released) == (3, 3)
     assert manager.get_computed_blocks(make_request(old, session="B"))[1] >= 3 * BLOCK
+
+
+def test_a_chain_that_hits_the_whole_record_is_read_from_its_last_block() -> None:
+    """The common case (an agent's next call extends its last one) is decided from the record's
+    last hashed block; every other chain is walked. Both answer as the walk does: a full hit,
+    the partial tail (no hash) as the first stale block, a change anywhere, a shorter chain, and
+    a record whose middle block was reused since."""
+    from vllm_affinity.core import first_stale_block
+
+    manager = make_manager(40)
+    old = tokens(0, 6)
+    finished_turn(manager, [*old, *range(7000, 7005)], "A")  # a partial tail after 6 blocks
+    state = state_of(manager)
+    releases, group, table = state.releases, state.groups[0], state.tables[0]
+
+    def both(prompt: list[int]) -> tuple[int | None, int]:
+        chain = list(make_request(prompt).block_hashes)
+        walked = first_stale_block(releases._entries(group, table, "A"), chain)
+        return releases._all_hit(group, table, "A", chain), walked
+
+    fast, walked = both([*old, *range(7000, 7005), *tokens(5000, 3)])
+    assert fast == walked == 6  # the whole record hit; its partial tail is never hit
+    for changed in ([*old[:-1], 1], [*old[: 2 * BLOCK], *range(8000, 8000 + 4 * BLOCK)]):
+        fast, walked = both(changed)
+        assert fast is None and walked < 6  # walked
+    fast, walked = both(old[: 3 * BLOCK])
+    assert fast is None and walked == 3
+    table.unbind([table.latest["A"].block_ids[2]])  # its third block handed out again
+    fast, walked = both([*old, *tokens(5000, 3)])
+    assert fast is None  # the record no longer holds what it recorded: the walk decides

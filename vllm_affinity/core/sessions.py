@@ -377,6 +377,15 @@ class SessionBlocks(RecordHolds):
             end = start
             yield batch  # empty too: the caller counts what it read
 
+    def unchanged(self, session: str) -> bool:
+        """Whether every block of ``session``'s latest request (holes aside) still holds the
+        content it recorded: then its hashes are the ones its request cached."""
+        record = self.latest.get(session)
+        if record is None:
+            return False
+        ids, live = self._live(record, 0, len(record.block_ids))
+        return bool(live[ids != HOLE].all())
+
     def unreused(self, session: str, first_block: int) -> list[int]:
         """The blocks of ``session``'s latest request from ``first_block`` on that still hold the
         content it recorded (not reused since), released or not."""

@@ -185,10 +185,43 @@ class Releases(OverBindings):
     def _first_stale(self, session: str, chain: list[Any]) -> list[int]:
         """Per group, the index of the session's first block ``chain`` cannot hit."""
         self._bindings.catch_up(session)
-        return [
-            first_stale_block(self._entries(group, table, session), chain)
-            for group, table in zip(self._ctx.groups, self.tables, strict=True)
-        ]
+        firsts = []
+        for group, table in zip(self._ctx.groups, self.tables, strict=True):
+            whole = self._all_hit(group, table, session, chain)
+            firsts.append(
+                first_stale_block(self._entries(group, table, session), chain)
+                if whole is None
+                else whole
+            )
+        return firsts
+
+    def _all_hit(
+        self, group: KVGroup, table: SessionBlocks, session: str, chain: list[Any]
+    ) -> int | None:
+        """``first_stale_block``'s answer when ``chain`` hits the session's whole record (an
+        agent's next call mostly does): its length, read from its last block alone, since hash
+        chains are prefix-closed and every block still holds what it recorded; None otherwise
+        (the walk decides). A record of thousands of blocks costs one comparison, not a walk."""
+        record = table.latest.get(session)
+        if record is None or not table.unchanged(session):
+            return None
+        blocks, block_ids = self.pool.blocks, record.block_ids
+        answer = last = len(block_ids)  # the first tail block without a hash (the walk's stop)
+        while last > 0:
+            last -= 1
+            if block_ids[last] == HOLE:
+                continue
+            block = blocks[block_ids[last]]
+            if block.block_hash is not None:
+                break
+            answer = last  # a partial block, or a decoded one not full yet: never hit
+        else:
+            return None
+        tokens = getattr(block, "block_hash_num_tokens", None)
+        end = tokens // self.pool.hash_block_size if tokens else (last + 1) * group.scale
+        if end > len(chain) or self._ctx.strip_group(block.block_hash) != chain[end - 1]:
+            return None
+        return answer
 
     def _any_hit(self, session: str, firsts: Sequence[int]) -> bool:
         """Whether ``firsts`` (from ``_first_stale``) keep at least one block of some group."""
