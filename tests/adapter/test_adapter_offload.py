@@ -300,3 +300,5 @@ def test_stale_first_keeps_vllms_eviction_contract() -> None:
     assert [key for key, _ in policy.evict(2, {b"a"})] == [b"c", b"b"]
     assert policy.stale == 1  # d, in use, waits
     assert policy.get(b"c") is None and policy.get(b"a") is not None
+    policy.touch([b"d"], ReqContext("r2"))  # a request reads it: live again
+    assert policy.stale == 0

@@ -76,8 +76,10 @@ class CPUBlockTier:
 
 class StaleFirst(wrapt.ObjectProxy):  # type: ignore[misc]
     """A CPU tier's cache policy (any) whose evictions take the chunks releases declared dead
-    first, oldest release first; the rest is the policy's own choice. The dead keys it keeps
-    are bounded by the tier's capacity (the oldest forgotten first)."""
+    first, oldest release first; the rest is the policy's own choice. A chunk a request reads
+    or offers again afterwards (the manager's ``touch``, ``on_request_finished``, 0.33's
+    ``on_request_access``) is live again. The dead keys it keeps are bounded by the tier's
+    capacity (the oldest forgotten first)."""
 
     def __init__(self, policy: Any) -> None:
         super().__init__(policy)
@@ -101,6 +103,29 @@ class StaleFirst(wrapt.ObjectProxy):  # type: ignore[misc]
         while len(stale) > self._self_cap:
             stale.popitem(last=False)
         return found
+
+    def _live_again(self, keys: Any) -> None:
+        """A request reads or offers these chunks: live again, whatever a release said."""
+        stale = self._self_stale
+        if stale:
+            for key in keys:
+                stale.pop(key, None)
+
+    def touch(self, keys: Any, req_context: Any) -> None:
+        keys = list(keys)
+        self._live_again(keys)
+        self.__wrapped__.touch(keys, req_context)
+
+    def on_request_finished(self, key_groups: Any, *args: Any, **kwargs: Any) -> None:
+        for keys in key_groups:
+            self._live_again(keys)
+        self.__wrapped__.on_request_finished(key_groups, *args, **kwargs)
+
+    def on_request_access(self, keys: Any, *args: Any, **kwargs: Any) -> None:
+        """vLLM 0.33's access hook (absent in 0.32: called only where the manager has it)."""
+        keys = list(keys)
+        self._live_again(keys)
+        self.__wrapped__.on_request_access(keys, *args, **kwargs)
 
     def evict(self, n: int, protected: set[Any]) -> list[tuple[Any, Any]] | None:
         """vLLM's contract: exactly ``n`` evictable chunks outside ``protected``, or None and no
