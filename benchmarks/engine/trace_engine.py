@@ -50,11 +50,18 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine.engine_scale import BLOCK, MAX_MODEL_LEN, unpatched
+from benchmarks.engine.engine_scale import (
+    BLOCK,
+    MAX_MODEL_LEN,
+    Cell,
+    kv_cache_config,
+    unpatched,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -106,33 +113,17 @@ class Side:
 
 
 def kv_config(pool: Pool, tensor: bool) -> Any:
-    """One full-attention group, or gpt-oss's shape; ``tensor``: the backing tensor an
-    offloader sizes its tier from."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        SlidingWindowSpec,
-    )
+    """``engine_scale``'s layout (one full-attention group, or gpt-oss's shape) at the pool's
+    size; ``tensor``: with the backing tensor an offloader sizes its tier from."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
 
-    kinds = dict(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    specs: list[Any] = [FullAttentionSpec(**kinds)]
-    if pool.hybrid:
-        specs.insert(0, SlidingWindowSpec(sliding_window=128, **kinds))
-    page = specs[0].page_size_bytes
-    tensors = []
-    if tensor:
-        size = page * pool.blocks
-        tensors.append(
-            KVCacheTensor(size=size, layers=["layer0"], layer_stride=size, block_stride=page)
-        )
-    return KVCacheConfig(
-        num_blocks=pool.blocks,
-        kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
-    )
+    config = kv_cache_config(Cell(pool.blocks, 0, 0, pool.hybrid))
+    if not tensor:
+        return config
+    page = config.kv_cache_groups[-1].kv_cache_spec.page_size_bytes
+    size = page * pool.blocks
+    layout = KVCacheTensor(size=size, layers=["layer0"], layer_stride=size, block_stride=page)
+    return replace(config, kv_cache_tensors=[layout])
 
 
 def build(pool: Pool, plugin: bool, in_flight: int, cpu_tier: int) -> Side:
@@ -151,7 +142,7 @@ def build(pool: Pool, plugin: bool, in_flight: int, cpu_tier: int) -> Side:
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": chunk * cpu_tier},
         )  # fmt: skip
-    with unpatched() if not plugin else _nothing():
+    with unpatched() if not plugin else nullcontext():
         engine = scheduler(
             kv_config(pool, bool(cpu_tier)), max_model_len=MAX_MODEL_LEN,
             max_num_seqs=in_flight, max_num_batched_tokens=8192, block_size=BLOCK,
@@ -162,14 +153,6 @@ def build(pool: Pool, plugin: bool, in_flight: int, cpu_tier: int) -> Side:
     if state is not None:
         state.idle_guard = None  # a replay's idles are the trace's session ends
     return Side("plugin" if plugin else "vanilla", engine, state)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def prompt_of(request: Any, block_tokens: int) -> list[int]:
@@ -229,7 +212,7 @@ def replay(side: Side, trace: Any, in_flight: int, max_output: int) -> Iterator[
     running: dict[str, tuple[int, str, list[int]]] = {}
     busy: set[str] = set()
     engine, clock = side.engine, time.perf_counter
-    context = unpatched if side.state is None else _nothing
+    context = unpatched if side.state is None else nullcontext
     while waiting or running:
         while waiting and len(running) < in_flight and waiting[0][1].session not in busy:
             index, call = waiting.popleft()
