@@ -55,6 +55,7 @@ whose hash is still cached elsewhere takes a second block, as in vLLM.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -98,6 +99,9 @@ class Request:
     next_use: float | None = None
     #: The session that started this one (a subagent's parent), where the client named it.
     parent: str | None = None
+    #: The answer's tokens, where the trace says them (its full blocks are cached after the
+    #: call, as vLLM caches sampled tokens; else ``generated`` uncached tokens stand for it).
+    answer: tuple[int, ...] = ()
 
 
 def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
@@ -142,10 +146,31 @@ class _Cache:
         self.parent_of: dict[str, str] = {}  # running child → its parent
         self.bets = ReturnBets() if policy == "lifecycle+return" else None
         self.uses: dict[int, list[int]] = {}
+        #: Belady's victims at full size: a lazy max-heap of (next use, depth, LRU place) per
+        #: queued block (an entry is current while its block's ``placed`` matches and its next
+        #: use has not passed); the same victim as the max over ``order``, in O(log n).
+        self.farthest: list[tuple[int, int, int, int]] = []
+        self.placed: dict[int, int] = {}
+        self.places = itertools.count()
         if policy == "belady" or policy in _ORDERED_IDLE:
             for index, request_hashes in enumerate(hashes):
                 for h in request_hashes:
                     self.uses.setdefault(h, []).append(index)
+
+    def _rank(self, b: int) -> None:
+        """Belady: (re)file a queued block under its next use from now."""
+        entry = (-self._next_use(self.hash_of[b]), -self.depth_of[b], self.placed[b], b)
+        heapq.heappush(self.farthest, entry)
+
+    def _farthest(self) -> int:
+        """Belady's victim: the queued block used farthest ahead, the deepest, then the
+        least recently queued (the max over ``order`` by (next use, depth), first in LRU)."""
+        while True:
+            nxt, _, place, b = heapq.heappop(self.farthest)
+            if self.placed.get(b) == place and b in self.order:
+                if -nxt == self._next_use(self.hash_of[b]):
+                    return b
+                self._rank(b)  # its next use passed unhit (a broken prefix): refile it
 
     def _next_use(self, h: int) -> int:
         uses = self.uses.get(h, ())
@@ -225,15 +250,14 @@ class _Cache:
             victim = max(self.order, key=lambda b: (self._predicted(b), self.depth_of[b]))
             del self.order[victim]
         elif self.policy == "belady":
-            victim = max(
-                self.order, key=lambda b: (self._next_use(self.hash_of[b]), self.depth_of[b])
-            )
+            victim = self._farthest()
             del self.order[victim]
         else:
             victim, _ = self.order.popitem(last=False)
         self.evictions += 1
         h = self.hash_of.pop(victim)
         self.depth_of.pop(victim)
+        self.placed.pop(victim, None)
         self.by_hash[h].discard(victim)
         if not self.by_hash[h]:
             del self.by_hash[h]
@@ -333,6 +357,11 @@ class _Cache:
             self.returns.called(session, next_use)
         if self.bets is not None:
             self.bets.called(session)
+        if self.policy == "belady":  # this call is a use of its hashes: their next one moves on
+            for h in hashes:
+                for b in self.by_hash.get(h, ()):
+                    if b in self.order:
+                        self._rank(b)
         used: list[int] = []
         for h in hashes[: (tokens - 1) // self.block]:
             copies = self.by_hash.get(h)
@@ -362,6 +391,9 @@ class _Cache:
         blocks = used + new_cached
         for b in reversed(blocks):  # vLLM frees a request tail first
             self.order[b] = None
+            if self.policy == "belady":
+                self.placed[b] = next(self.places)
+                self._rank(b)
         for b in blocks:
             self.owners.setdefault(b, set()).add(session)
         self.latest[session] = blocks
@@ -402,7 +434,7 @@ def hits_per_request(
     known = POLICIES + ORACLES + PREDICTORS
     if policy not in known:
         raise ValueError(f"unknown policy {policy!r}; expected one of {known}")
-    hashes = [block_hashes(r.tokens, block) for r in requests]
+    hashes = [block_hashes(r.tokens + r.answer, block) for r in requests]
     capacity = 1 << 40 if policy == "infinite" else capacity
     cache = _Cache(capacity, policy, hashes, block, idle_guard)
     previous: dict[str, tuple[int, ...]] = {}
@@ -423,7 +455,7 @@ def hits_per_request(
             request.session,
             request_hashes,
             len(request.tokens),
-            generated,
+            len(request.answer) or generated,
             request.next_use,
             request.parent,
         )

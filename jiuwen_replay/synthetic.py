@@ -6,6 +6,7 @@ few blocks) to its session's prompt, and a session compacts (keeps its system pr
 summary block) once its prompt passes ``compact_after`` blocks. Calls of a session are
 ``tool_gap`` seconds apart; after each burst of ``burst`` calls it waits ``think_gap`` seconds
 (its user). Every few lead calls a subagent runs its own short task, then ends.
+``FULL_SIZE`` is the same shape at coding agents' real size.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ class SyntheticConfig:
     block_tokens: int = 128
     output_tokens: int = 64
     seed: int = 0
+
+
+#: Coding agents at full size, as vLLM's agent study and Claude Code's own prompts put them: 43
+#: calls a session (the study's median), ~20k tokens of instructions (Claude Code keeps 15-30k),
+#: ~2.9k tokens of tool result a call, so a window reaches ~140k tokens and compacts past 128k;
+#: 8 calls a subagent brief, every 10 lead calls; 128-token blocks.
+FULL_SIZE = SyntheticConfig(
+    sessions=16, calls_per_session=43, burst=6, system_blocks=160, tool_blocks=(6, 40),
+    compact_after=1000, subagent_every=10, subagent_calls=8, tool_gap=2.0, think_gap=30.0,
+    output_tokens=400,
+)  # fmt: skip
 
 
 def generate(config: SyntheticConfig = SyntheticConfig()) -> Trace:

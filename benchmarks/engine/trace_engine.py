@@ -11,34 +11,46 @@ its last one finished (an agent waits for its answer). The plugin side is the en
 runs it with ``VLLM_AFFINITY_RELEASE_ON_DIVERGENCE=true``: a request that diverges from its
 session's last one (a compaction) releases the stale blocks in the engine's own add-request
 path, and a session's last call ends with its idle signal (the lifecycle's). Vanilla is vLLM as
-installed (every plugin wrapper set aside). With ``--cpu-tier CHUNKS`` both sides run vLLM's
+installed (every plugin wrapper set aside); on a hybrid pool a third side is vanilla with
+vLLM's own alternative, a retention interval (``--prefix-cache-retention-interval 480``: a
+sliding-window state every 480 tokens; it acts on no full-attention group, so a one-group pool
+has no such side). With ``--cpu-tier CHUNKS`` both sides run vLLM's
 ``OffloadingConnector`` (scheduler side; the test harness completes its copies at once) with a
 CPU tier of that many blocks.
 
 Reported per pool: prompt tokens sent, hit on the GPU, loaded from the CPU tier, computed
-(sent - hit - loaded), the share of vanilla's computed tokens the plugin saves, its releases and
-``released_hit``, the scheduler's time per step on each side and the plugin's own. The two
-sides run in one process, a scheduler step of each in turn (the first changing every turn), so
-a change in the machine's speed falls on both alike; where they hit differently they do
-different work, and the plugin's own time is the like-for-like figure.
+(sent - hit - loaded), the share of vanilla's computed tokens each side saves, the plugin's
+releases and ``released_hit``; the bound beside them (no CPU tier): Belady's eviction (the
+block used farthest ahead goes first) in ``jiuwen_replay``'s simulator on the same prompts and
+answers, one call at a time (on a hybrid pool, the whole pool given to full attention: what no
+policy there can beat), and the share of vanilla's gap to it the plugin closes; the
+scheduler's time per step on each side and the plugin's own. The sides run in one process, a
+scheduler step of each in turn (the first changing every turn), so a change in the machine's
+speed falls on each alike; where they hit differently they do different work, and the
+plugin's own time is the like-for-like figure.
 
 The pools (16-token blocks, ``--gpu-memory-utilization 0.9``, bf16 KV cache):
 
 - ``llama-8b-h100``: Llama-3.1-8B (32 layers, 8 KV heads of 128) on one H100 80 GB: 72 GB less
   16 GB of weights, 128 KiB of KV per token: 26,700 blocks (427k tokens);
+- ``llama-8b-h200``: the same on one H200 141 GB: 127 GB less 16 GB: 55,500 blocks;
 - ``qwen-32b-fp8-h100``: Qwen2.5-32B with FP8 weights (64 layers, 8 KV heads of 128) on one
   H100: 72 GB less 33 GB, 256 KiB per token: 9,500 blocks (152k tokens);
 - ``gpt-oss-120b-h200`` (hybrid: a 128-token sliding window beside full attention):
   gpt-oss-120b (36 layers, 8 KV heads of 64; MXFP4 weights, ~65 GB) on one H200 141 GB: 62 GB
-  at 576 KiB per block of a group's 18 layers: 105,000 blocks.
+  at 576 KiB per block of a group's 18 layers: 105,000 blocks;
+- ``gpt-oss-20b-l4`` (hybrid, the same shape): gpt-oss-20b (24 layers; ~13 GB of MXFP4 weights)
+  on one L4 24 GB: 7.5 GB at 384 KiB per block of a group's 12 layers: 20,000 blocks.
 
     python -m benchmarks.engine.trace_engine [--trace PATH] [--format agentinfer]
-        [--pools llama-8b-h100,qwen-32b-fp8-h100] [--in-flight 8] [--max-output 256]
+        [--pools llama-8b-h100,qwen-32b-fp8-h100] [--no-bound] [--in-flight 8] [--max-output 256]
         [--cpu-tier BLOCKS] [--limit N] [--out benchmarks/results/trace_engine]
 
 A pool may also be ``BLOCKS`` or ``hybrid:BLOCKS``. ``--trace`` defaults to the Claude Code
 trace of the ``agentinfer`` package (PyPI ``agentinfer==0.2.0``; its wheel's
-``agentbench/data/agentinfer_trace_requests.jsonl`` alone is enough: ``--trace`` that file).
+``agentbench/data/agentinfer_trace_requests.jsonl`` alone is enough: ``--trace`` that file);
+``--trace synthetic`` is ``jiuwen_replay.synthetic.FULL_SIZE`` (16 leads of 43 calls, 64
+subagents, windows to ~130k tokens, 16 compactions: the agent study's shape, made here).
 """
 
 from __future__ import annotations
@@ -48,7 +60,6 @@ import json
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -64,6 +75,14 @@ from benchmarks.engine.engine_scale import (
 )
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+#: vLLM's own alternative on a hybrid pool: a sliding-window state every this many tokens.
+RETENTION_INTERVAL = 480
+#: (side, the plugin on, retention interval): the interval side runs on hybrid pools only.
+SIDES = (
+    ("vanilla", False, 0),
+    ("vanilla+interval", False, RETENTION_INTERVAL),
+    ("plugin", True, 0),
+)
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,9 @@ POOLS = {
     pool.name: pool
     for pool in (
         Pool("llama-8b-h100", 26_700, "Llama-3.1-8B bf16 on one H100 80 GB"),
+        Pool("llama-8b-h200", 55_500, "Llama-3.1-8B bf16 on one H200 141 GB"),
         Pool("qwen-32b-fp8-h100", 9_500, "Qwen2.5-32B FP8 weights on one H100 80 GB"),
+        Pool("gpt-oss-20b-l4", 20_000, "gpt-oss-20b on one L4 24 GB", hybrid=True),
         Pool("gpt-oss-120b-h200", 105_000, "gpt-oss-120b on one H200 141 GB", hybrid=True),
     )
 }
@@ -126,7 +147,9 @@ def kv_config(pool: Pool, tensor: bool) -> Any:
     return replace(config, kv_cache_tensors=[layout])
 
 
-def build(pool: Pool, plugin: bool, in_flight: int, cpu_tier: int) -> Side:
+def build(
+    name: str, pool: Pool, plugin: bool, in_flight: int, cpu_tier: int, interval: int
+) -> Side:
     from vllm.config import KVTransferConfig
 
     from vllm_affinity.engine import affinity_of
@@ -142,9 +165,10 @@ def build(pool: Pool, plugin: bool, in_flight: int, cpu_tier: int) -> Side:
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": chunk * cpu_tier},
         )  # fmt: skip
+    config = replace(kv_config(pool, bool(cpu_tier)), prefix_cache_retention_interval=interval)
     with unpatched() if not plugin else nullcontext():
         engine = scheduler(
-            kv_config(pool, bool(cpu_tier)), max_model_len=MAX_MODEL_LEN,
+            config, max_model_len=MAX_MODEL_LEN,
             max_num_seqs=in_flight, max_num_batched_tokens=8192, block_size=BLOCK,
             kv_transfer_config=transfer,
         )  # fmt: skip
@@ -152,7 +176,7 @@ def build(pool: Pool, plugin: bool, in_flight: int, cpu_tier: int) -> Side:
     assert (state is not None) == plugin
     if state is not None:
         state.idle_guard = None  # a replay's idles are the trace's session ends
-    return Side("plugin" if plugin else "vanilla", engine, state)
+    return Side(name, engine, state)
 
 
 def prompt_of(request: Any, block_tokens: int) -> list[int]:
@@ -161,6 +185,39 @@ def prompt_of(request: Any, block_tokens: int) -> list[int]:
     tokens = [t for b in request.blocks for t in range(b * block_tokens, (b + 1) * block_tokens)]
     length = request.input_tokens or len(tokens)
     return tokens[: min(length, len(tokens))]
+
+
+def answers(trace: Any, max_output: int) -> Iterator[tuple[int, list[int], list[int]]]:
+    """Each call's index, prompt and answer: the answer's tokens are what the session's next
+    prompt carries at their places (the model said what the agent sends back)."""
+    after: dict[int, int] = {}
+    seen: dict[str, int] = {}
+    for n, call in enumerate(trace.requests):
+        if call.session in seen:
+            after[seen[call.session]] = n
+        seen[call.session] = n
+    for n, call in enumerate(trace.requests):
+        prompt = prompt_of(call, trace.block_tokens)
+        steps = max(1, min(max_output, call.output_tokens))
+        following = prompt_of(trace.requests[after[n]], trace.block_tokens) if n in after else []
+        tail = following[len(prompt) : len(prompt) + steps]
+        yield n, prompt, tail + [7] * (steps - len(tail))
+
+
+def bounds(trace: Any, pool: Pool, max_output: int) -> dict[str, int]:
+    """Computed prompt tokens in ``jiuwen_replay``'s simulator, one call at a time: LRU (as
+    vLLM) and Belady (the bound), the pool's blocks all given to full attention."""
+    from jiuwen_replay.simulator import Request, simulate
+
+    calls = [
+        Request(trace.requests[n].session, tuple(prompt), answer=tuple(answer))
+        for n, prompt, answer in answers(trace, max_output)
+    ]
+    out = {}
+    for policy in ("lru", "belady"):
+        result = simulate(calls, pool.blocks, policy, BLOCK)
+        out[policy] = int(result["query_tokens"] - result["hit_tokens"])
+    return out
 
 
 def done_report(output: Any) -> Any:
@@ -182,10 +239,10 @@ def done_report(output: Any) -> Any:
 
 
 def _sampled(request: Any, answer: list[int]) -> list[int]:
-    """The token a request whose prompt is computed samples: the next prompt's at its place."""
-    at = request.num_tokens
-    if request.num_computed_tokens < at:
+    """The token a request whose prompt is computed samples: its answer's next one."""
+    if request.num_computed_tokens < request.num_tokens:
         return []
+    at = request.num_tokens - request.num_prompt_tokens
     return [answer[at] if at < len(answer) else 7]
 
 
@@ -201,32 +258,28 @@ def replay(side: Side, trace: Any, in_flight: int, max_output: int) -> Iterator[
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     last_call = {r.session: n for n, r in enumerate(trace.requests)}
-    next_call: dict[int, int] = {}
-    seen: dict[str, int] = {}
-    for n, call in enumerate(trace.requests):
-        if call.session in seen:
-            next_call[seen[call.session]] = n
-        seen[call.session] = n
-    waiting = deque(enumerate(trace.requests))
-    #: request id -> (trace index, session, the session's next prompt: what the answer says)
+    calls = answers(trace, max_output)  # one call's prompt at a time: full size is large
+    upcoming = next(calls, None)
+    #: request id -> (trace index, session, its answer)
     running: dict[str, tuple[int, str, list[int]]] = {}
     busy: set[str] = set()
     engine, clock = side.engine, time.perf_counter
     context = unpatched if side.state is None else nullcontext
-    while waiting or running:
-        while waiting and len(running) < in_flight and waiting[0][1].session not in busy:
-            index, call = waiting.popleft()
-            prompt = prompt_of(call, trace.block_tokens)
+    while upcoming is not None or running:
+        while (
+            upcoming is not None
+            and len(running) < in_flight
+            and trace.requests[upcoming[0]].session not in busy
+        ):
+            index, prompt, answer = upcoming
+            upcoming = next(calls, None)
+            call = trace.requests[index]
             request = Request(
                 request_id=f"{side.name}{index}", prompt_token_ids=prompt,
-                sampling_params=SamplingParams(
-                    max_tokens=max(1, min(max_output, call.output_tokens)), ignore_eos=True
-                ),
+                sampling_params=SamplingParams(max_tokens=len(answer), ignore_eos=True),
                 pooling_params=None, block_hasher=hasher, session_id=call.session,
             )  # fmt: skip
             side.sent += len(prompt)
-            after = next_call.get(index)
-            answer = prompt_of(trace.requests[after], trace.block_tokens) if after else []
             running[request.request_id] = (index, call.session, answer)
             busy.add(call.session)
             with context():
@@ -258,78 +311,105 @@ def replay(side: Side, trace: Any, in_flight: int, max_output: int) -> Iterator[
                 if last_call[session] == index and side.state is not None:
                     side.state.idle_session(session)  # the session's end: its idle signal
         if side.steps % 4000 == 0:
-            done = len(trace.requests) - len(waiting) - len(running)
+            done = (upcoming[0] if upcoming else len(trace.requests)) - len(running)
             print(f"    {side.name}: {done}/{len(trace.requests)} requests", flush=True)
         yield
 
 
-def run_pool(pool: Pool, trace: Any, in_flight: int, max_output: int, cpu_tier: int) -> dict:
+def run_pool(
+    pool: Pool, trace: Any, in_flight: int, max_output: int, cpu_tier: int, bound: bool
+) -> dict:
     row: dict[str, Any] = {"pool": pool.name, "blocks": pool.blocks, "stands_for": pool.stands_for,
                            "hybrid": pool.hybrid, "cpu_tier_blocks": cpu_tier}  # fmt: skip
-    sides = [build(pool, plugin, in_flight, cpu_tier) for plugin in (False, True)]
-    print(f"  {pool.name}: vanilla and plugin, a step of each in turn ...", flush=True)
+    sides = [
+        build(name, pool, plugin, in_flight, cpu_tier, interval)
+        for name, plugin, interval in SIDES
+        if pool.hybrid or not interval
+    ]
+    names = ", ".join(side.name for side in sides)
+    print(f"  {pool.name}: {names}, a step of each in turn ...", flush=True)
     steps = [replay(side, trace, in_flight, max_output) for side in sides]
     turn = 0
     while steps:  # the first side changes every turn: a change in the machine's speed
-        turn += 1  # falls on both alike
+        turn += 1  # falls on each alike
         for step in list(steps if turn % 2 else reversed(steps)):
             if next(step, StopIteration) is StopIteration:
                 steps.remove(step)
+    vanilla = sides[0].sent - sides[0].hit - sides[0].loaded
     for side in sides:
         computed = side.sent - side.hit - side.loaded
         row[side.name] = {
             "sent": side.sent, "hit": side.hit, "loaded": side.loaded, "computed": computed,
+            "saved": 1 - computed / vanilla if vanilla else 0.0,
             "steps": side.steps, "ms_per_step": side.seconds * 1e3 / max(1, side.steps),
         }  # fmt: skip
         if side.state is not None:
             stats = side.state.stats()
-            row["plugin"].update(
+            row[side.name].update(
                 released=stats.counter("blocks_moved") + stats.counter("blocks_pending"),
                 released_hit=stats.released_hit, idled=stats.counter("blocks_idled"),
                 own_ms_per_step=stats.counter("engine_us") / 1e3 / max(1, side.steps),
                 offload_released=stats.counter("offload_blocks_released"),
             )  # fmt: skip
-    vanilla, plugin = row["vanilla"]["computed"], row["plugin"]["computed"]
-    row["saved"] = 1 - plugin / vanilla if vanilla else 0.0
+    if bound and not cpu_tier:
+        print(f"  {pool.name}: the Belady bound (simulator) ...", flush=True)
+        row["bound"] = bounds(trace, pool, max_output)
+        gap = vanilla - row["bound"]["belady"]
+        row["gap_closed"] = (vanilla - row["plugin"]["computed"]) / gap if gap > 0 else None
     return row
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| pool | stands for | side | sent | hit (GPU) | loaded (CPU) | computed | saved "
-        "| released (hit again) | ms / step (plugin's own) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| gap to Belady closed | released (hit again) | ms / step (plugin's own) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in rows:
-        for name in ("vanilla", "plugin"):
-            side = row[name]
-            saved = f"{row['saved']:.1%}" if name == "plugin" else ""
-            released = f"{side['released']:,} ({side['released_hit']})" if name == "plugin" else ""
-            own = f" ({side['own_ms_per_step']:.3f})" if name == "plugin" else ""
+        lead = f"| {row['pool']} | {row['stands_for']} "
+        for name, _, _ in SIDES:
+            if name not in row:
+                continue
+            side, plugin = row[name], name == "plugin"
+            saved = f"{side['saved']:.1%}" if name != "vanilla" else ""
+            closed = row.get("gap_closed") if plugin else None
+            released = f"{side['released']:,} ({side['released_hit']})" if plugin else ""
+            own = f" ({side['own_ms_per_step']:.3f})" if plugin else ""
             lines.append(
-                f"| {row['pool']} | {row['stands_for']} | {name} | {side['sent']:,} "
-                f"| {side['hit']:,} | {side['loaded']:,} | {side['computed']:,} | {saved} "
+                f"{lead}| {name} | {side['sent']:,} | {side['hit']:,} | {side['loaded']:,} "
+                f"| {side['computed']:,} | {saved} | {'' if closed is None else f'{closed:.0%}'} "
                 f"| {released} | {side['ms_per_step']:.2f}{own} |"
             )
+        if "bound" in row:
+            belady = row["bound"]["belady"]
+            saved = 1 - belady / row["vanilla"]["computed"]
+            lines.append(f"{lead}| Belady (bound) | | | | {belady:,} | {saved:.1%} | 100% | | |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", help="the trace file (default: agentinfer's Claude Code)")
+    parser.add_argument(
+        "--trace", help="the trace file, or 'synthetic' (default: agentinfer's Claude Code)"
+    )
     parser.add_argument("--format", default="agentinfer")
     parser.add_argument("--pools", default="llama-8b-h100,qwen-32b-fp8-h100")
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--cpu-tier", type=int, default=0, help="CPU tier blocks (0: none)")
     parser.add_argument("--limit", type=int, default=0, help="the first N requests (0: all)")
+    parser.add_argument("--no-bound", action="store_true", help="leave out the Belady bound")
     parser.add_argument("--out", default=str(RESULTS / "trace_engine"))
     args = parser.parse_args(argv)
     from jiuwen_replay.formats import TraceFormatError, agentinfer_trace_path, read_trace
+    from jiuwen_replay.synthetic import FULL_SIZE, generate
 
     try:  # bad input first, before vLLM loads
         pools = [pool_of(name) for name in args.pools.split(",")]
-        trace = read_trace(args.trace or agentinfer_trace_path(), args.format)
+        if args.trace == "synthetic":
+            trace = generate(FULL_SIZE)
+        else:
+            trace = read_trace(args.trace or agentinfer_trace_path(), args.format)
         if args.limit:
             trace = replace(trace, requests=trace.requests[: args.limit])
     except (TraceFormatError, ValueError) as exc:
@@ -340,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_engine_patches()
     print(f"trace: {json.dumps(trace.describe())}", flush=True)
-    rows = [run_pool(pool, trace, args.in_flight, args.max_output, args.cpu_tier) for pool in pools]
+    rows = [
+        run_pool(pool, trace, args.in_flight, args.max_output, args.cpu_tier, not args.no_bound)
+        for pool in pools
+    ]
     from jiuwen_replay.output import write_json
 
     out = Path(args.out)

@@ -47,6 +47,19 @@ def test_a_tight_pool_computes_less_with_the_plugin_and_a_loose_one_the_same(
         assert plugin["own_ms_per_step"] > 0
     assert tight["plugin"]["computed"] < tight["vanilla"]["computed"]
     assert tight["vanilla"]["computed"] > loose["vanilla"]["computed"]
+    # the bound: Belady on the same prompts and answers computes least, and the share of
+    # vanilla's gap to it the plugin closes is a share
+    assert tight["bound"]["belady"] <= tight["bound"]["lru"]
+    assert tight["bound"]["belady"] <= tight["plugin"]["computed"]
+    assert 0 < tight["gap_closed"] <= 1
+
+
+def test_a_hybrid_pool_runs_vanillas_retention_interval_beside_vanilla(tmp_path: Path) -> None:
+    (row,) = harness(tmp_path, "--pools", "hybrid:400", "--no-bound")
+    interval = row["vanilla+interval"]
+    assert interval["sent"] == row["vanilla"]["sent"] == row["plugin"]["sent"]
+    assert "bound" not in row and "released" not in interval
+    assert row["plugin"]["released_hit"] == 0
 
 
 def test_with_a_cpu_tier_on_both_sides_the_plugin_loads_less(tmp_path: Path) -> None:

@@ -254,3 +254,39 @@ def test_a_waiting_lead_idles_once_its_waits_outlast_lrus_reach_and_is_back_at_i
     assert [wait(unnamed, child, n, parent=None) for child, n in (("a", 14), ("b", 2))] == [0, 0]
     lru = _Cache(16, "lru", [], B, idle_guard=True)
     assert [wait(lru, child, n) for child, n in (("a", 14), ("b", 2))] == [0, 0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("capacity", [12, 20, 40])
+def test_beladys_heap_evicts_what_the_max_over_the_queue_would(
+    seed: int, capacity: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heap (full-size traces) picks the victim the definition picks: the queued block
+    used farthest ahead, the deepest, then the least recently queued."""
+    import random
+
+    from jiuwen_replay import simulator
+
+    rng = random.Random(seed)
+    prompts: dict[str, list[int]] = {f"s{i}": [rng.randrange(5)] * 8 for i in range(6)}
+    requests = []
+    for _ in range(80):
+        session = rng.choice(list(prompts))
+        prompt = prompts[session]
+        if rng.random() < 0.15:  # a rewrite keeps a prefix
+            prompt = prompt[: rng.randrange(1, len(prompt) + 1)]
+        prompts[session] = (prompt + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))])[
+            -120:
+        ]
+        requests.append(Request(session, tuple(prompts[session])))
+
+    def by_definition(cache: Any) -> int:
+        key = lambda b: (cache._next_use(cache.hash_of[b]), cache.depth_of[b])  # noqa: E731
+        return max(cache.order, key=key)
+
+    try:
+        heap = simulator.hits_per_request(requests, capacity, "belady", B)
+    except simulator.CapacityError:
+        return
+    monkeypatch.setattr(simulator._Cache, "_farthest", by_definition)
+    assert heap == simulator.hits_per_request(requests, capacity, "belady", B)

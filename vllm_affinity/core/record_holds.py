@@ -111,6 +111,16 @@ class RecordHolds:
             return ids, self._generations_of(ids) == recorded
         return ids, (ids != HOLE) & (self._generations_of(ids) == recorded)
 
+    def still_recorded(self, session: str) -> np.ndarray | None:
+        """Per entry of ``session``'s latest record, whether its block still holds what the
+        record recorded (not a hole, not handed out since). A sliding window or a Mamba group
+        drops blocks while the request runs, and vLLM hands them out again while the record
+        keeps their ids: such an entry says nothing of the session's prompt."""
+        record = self.latest.get(session)
+        if record is None:
+            return None
+        return self._live(record, 0, len(record.block_ids))[1]
+
     def _alone(self, ids: np.ndarray) -> np.ndarray:
         """Which blocks one record alone holds and no other session ever did."""
         holders = self._v.holders[ids]  # a hole reads the spare slot: no holder

@@ -26,6 +26,7 @@ from ..core import (
 )
 from ..core.compaction import retried_branch, side_branch
 from ..core.groups import KVGroup
+from ..core.request_keys import DENSE_KINDS
 from .bindings import Bindings, OverBindings
 from .fail_open import ERRORS
 from .pool_context import PoolContext
@@ -240,14 +241,22 @@ class Releases(OverBindings):
         record = table.latest.get(session)
         if record is None:
             return []
+        # a group that drops blocks mid-request (sliding window, Mamba) also has blocks vLLM
+        # handed out again, and blocks it never cached: holes, not a divergence (its hits need
+        # no unbroken run from the start, so the blocks past them still serve the prompt)
+        sparse = group.kind not in DENSE_KINDS
+        recorded = table.still_recorded(session) if sparse else None
         blocks, strip, unit = self.pool.blocks, self._ctx.strip_group, self.pool.hash_block_size
         entries: list[tuple[Any, int] | None] = []
         for index, block_id in enumerate(record.block_ids):
-            if block_id == HOLE:
+            if block_id == HOLE or (recorded is not None and not recorded[index]):
                 entries.append(None)
                 continue
             block = blocks[block_id]
             block_hash = block.block_hash
+            if block_hash is None and sparse:
+                entries.append(None)
+                continue
             tokens = getattr(block, "block_hash_num_tokens", None)  # from the prompt's start
             end = tokens // unit if tokens else (index + 1) * group.scale
             entries.append((None if block_hash is None else strip(block_hash), end))
