@@ -27,6 +27,11 @@ TARGETS: dict[str, tuple[str, str, str]] = {
         "InstructionCheckpoints",
         "on_lookup",
     ),
+    "cache_blocks": (
+        "vllm_affinity.engine.checkpoints",
+        "InstructionCheckpoints",
+        "return_point",
+    ),
 }
 
 

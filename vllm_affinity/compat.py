@@ -43,6 +43,7 @@ REQUIRED = {
         "scheduler_block_size",
         "get_blocks",
         "find_longest_cache_hit",
+        "cache_blocks",  # a sliding window's answer end (``checkpoints.py``)
     ),
     # every layer of one kind (full attention, a sliding window as in Mistral 7B v0.1, MLA,
     # Mamba alone): one group, one lookup

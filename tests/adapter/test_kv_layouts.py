@@ -182,3 +182,45 @@ class _Engine:
 
     def __init__(self, core: Any) -> None:
         self.scheduler = core
+
+
+@pytest.mark.parametrize("layout", ["sliding+full", "every-layer-sliding"])
+@pytest.mark.parametrize("keep_answers", [True, False])
+def test_a_sessions_next_call_hits_its_answer_on_a_sliding_window_model(
+    layout: str, keep_answers: bool
+) -> None:
+    """vLLM keeps a sliding window's state at the prompt's end only: the agent's next call (the
+    window, the answer, a tool result) hits up to the prompt's end and computes the answer
+    again. The plugin keeps the window at the answer's end (``checkpoints.py``)."""
+    from vllm.v1.request import Request
+
+    specs_of, _, _ = LAYOUTS[layout]
+    hasher = hasher_for(16)
+    config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs_of())],
+        prefix_cache_retention_interval=0,  # a server's default (the class's: dense)
+    )
+    core = scheduler(config, max_model_len=2048, block_size=16)
+    state = state_of(core.kv_cache_manager)
+    assert state.checkpoints is not None and state.checkpoints.answers
+    if not keep_answers:  # what vLLM keeps alone
+        state.checkpoints.answers = False
+    prompt = [*INSTRUCTIONS, *range(1000, 1040)]  # 168 tokens: vLLM keeps the window at 160
+    core.add_request(
+        Request(
+            request_id="a1", prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=40, ignore_eos=True),
+            pooling_params=None, block_hasher=hasher, session_id="A",
+        )
+    )  # fmt: skip
+    run(core)  # it answers 40 tokens of 7: 207 computed, 12 full blocks (192 tokens)
+    following = Request(
+        request_id="a2", prompt_token_ids=[*prompt, *[7] * 40, *range(3000, 3030)],
+        sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+        block_hasher=hasher, session_id="A",
+    )  # fmt: skip
+    hit = core.kv_cache_manager.get_computed_blocks(following)[1]
+    assert hit == (192 if keep_answers else 160)
+    assert state.stats().released_hit == 0

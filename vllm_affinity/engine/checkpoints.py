@@ -8,6 +8,14 @@ prefill chunk there and its sliding-window and Mamba managers keep that state, a
 prefix on its second appearance (``core/checkpoints.py`` says why). A request that reaches past
 a checkpoint it shares keeps the checkpoint's blocks recent in the free queue.
 
+A session's answer is where its next call comes back (an agent sends the window, the answer
+and what follows): vLLM keeps a sliding window's state at the prompt's end only, so the answer
+would be computed again on every call. While a session's request decodes, the
+``KVCacheCoordinator.cache_blocks`` wrap (``patches.py``) makes its computed end the junction
+for that call (``return_point``): each answer block the window covers is cached as it fills,
+so the window at the answer's end is there when the session comes back. Only where every
+sparse group is a sliding window (a Mamba state is kept at block ends vLLM chooses).
+
 Nothing of vLLM's is rewritten: the wrap changes one value of the answer, and the blocks are
 found with vLLM's own per-group lookup.
 """
@@ -44,6 +52,19 @@ class InstructionCheckpoints:
         self._counters = counters
         self.known = Checkpoints(max_entries)
         self._span: int | None = None  # the state's span in tokens, read on first use
+        #: Keep the window at each answer's end (``return_point``): sliding windows only.
+        self.answers = bool(self._sparse) and all(
+            group.kind == "sliding_window" for group in groups if group.kind not in DENSE_KINDS
+        )
+
+    def return_point(self, coordinator: Any, request: Any, tokens: int) -> int:
+        """Where a session's decoding request would come back if its answer ended now: its
+        computed tokens down to a block (0: not an answer being decoded, or not kept)."""
+        if not self.answers or tokens <= request.num_prompt_tokens:
+            return 0
+        alignment = coordinator.scheduler_block_size
+        point: int = tokens // alignment * alignment
+        return point if point > request.num_prompt_tokens else 0
 
     def on_lookup(self, coordinator: Any, request: Any, answer: tuple[Any, int, int]) -> Any:
         """vLLM's prefix lookup for ``request`` (blocks, computed tokens, junction), with the

@@ -25,6 +25,7 @@ EnginePath = Literal[
     "block_pool_init",
     "kv_cache_manager_init",
     "get_computed_blocks",
+    "cache_blocks",
     "free",
     "add_request",
     "schedule",

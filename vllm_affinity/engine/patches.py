@@ -152,6 +152,31 @@ def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) ->
         state.engine_ns += perf_counter_ns() - start
 
 
+def _cache_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """A session's decoding request on a sliding-window model: its computed end is the
+    junction for this call, so the window at its answer's end stays cached
+    (``checkpoints.py``); vLLM's own call either way, its junction put back after."""
+    state = affinity_of(instance.block_pool)
+    if state is None or state.checkpoints is None or not state.checkpoints.answers:
+        return wrapped(*args, **kwargs)
+    point = 0
+    try:
+        request = args[0] if args else kwargs["request"]
+        tokens = args[1] if len(args) > 1 else kwargs["num_computed_tokens"]
+        if session_of(request):
+            point = state.checkpoints.return_point(instance, request, tokens)
+    except Exception as exc:
+        ERRORS.caught("cache_blocks", exc)
+    if not point:
+        return wrapped(*args, **kwargs)
+    junction = request.shared_prefix_boundary
+    request.shared_prefix_boundary = point
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        request.shared_prefix_boundary = junction
+
+
 def _free(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     state = affinity_of(instance.block_pool)
     if state is None:
@@ -429,6 +454,7 @@ def apply_engine_patches() -> None:
         return
     check_supported_vllm()
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
@@ -437,6 +463,7 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(BlockPool, "__init__", _make_block_pool_init(settings))
     wrapt.wrap_function_wrapper(KVCacheManager, "__init__", _kv_cache_manager_init)
     wrapt.wrap_function_wrapper(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
+    wrapt.wrap_function_wrapper(KVCacheCoordinator, "cache_blocks", _cache_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))
