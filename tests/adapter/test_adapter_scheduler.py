@@ -261,3 +261,35 @@ def test_a_hybrid_request_decoding_past_its_window_keeps_every_block_it_dropped(
         assert records[group] == [held[group][at] for at in range(len(records[group]))]
     assert len(records[1]) == 5 + 8  # 80 prompt tokens and 128 decoded
     assert not state.check(idle=True)
+
+
+def test_the_divergence_rules_search_finds_what_a_walk_of_the_record_finds() -> None:
+    """A full-attention group's first stale block is found by a binary search over the
+    record's runs of blocks that still hold what it recorded (``Releases._dense_first_stale``):
+    on a pool too small for four sessions, whose records lose blocks while they wait, it
+    answers what the walk of every entry (``first_stale_block``) answers, for the session's
+    next prompt, a compaction's cut and another prompt."""
+    from vllm_affinity.core import first_stale_block
+
+    core = scheduler(full_attention(40), max_model_len=1024, max_num_seqs=2)
+    state = state_of(core.kv_cache_manager)
+    releases, groups = state.releases, state._ctx.groups
+    prompts = {s: tokens(1000 * (s + 1), 3) for s in range(4)}
+    checked = evicted = 0
+    for turn in range(5):
+        for s, prompt in prompts.items():
+            core.add_request(make_request(prompt, session=f"s{s}"))
+            while core.has_requests():
+                step(core)
+            prompts[s] = [*prompt, *[7] * 16, *tokens(50_000 + 100 * turn + 10 * s, 1)]
+        for s, prompt in prompts.items():
+            session = f"s{s}"
+            table = releases.tables[0]
+            evicted += not table.unchanged(session)
+            for chain in (prompt, prompt[: 2 * BLOCK], tokens(90_000 + turn, 4)):
+                hashes = make_request(chain).block_hashes
+                fast = releases._dense_first_stale(groups[0], table, session, hashes)
+                walk = first_stale_block(releases._entries(groups[0], table, session), hashes)
+                assert fast == walk, (turn, s, len(chain))
+                checked += 1
+    assert evicted > 0 and checked == 60  # records that lost blocks were among those searched
