@@ -69,6 +69,12 @@ def retained_past(prompts: list[int], need: int, block_size: int, cut: int) -> i
     return len(blocks)
 
 
+def answer_blocks(call: Any, block_size: int) -> int:
+    """The blocks a call's answer filled (its last token has no KV): a sliding-window group
+    caches them too, for the session's return (``checkpoints.py``)."""
+    return int((call.prompt + call.completion - 1) // block_size - call.prompt // block_size)
+
+
 def assert_every_group_released(server: VLLMServer, compaction: Compaction) -> None:
     """Exactly the old window's cached blocks past the cut, in every group. Full attention:
     each block of its last prompt and answer (the answer's last token has no KV). A
@@ -79,7 +85,9 @@ def assert_every_group_released(server: VLLMServer, compaction: Compaction) -> N
     holds two such runs past the cut: the one at the previous turn's prompt end, where its
     hit resumed, and the one at its own prompt end (each turn adds ~360 tokens, 11 blocks of
     32 tokens or two of 160: the runs never overlap, 8 blocks of a 128-token window and 2
-    Mamba states). The next call hits the compacted window."""
+    Mamba states); on a model whose sparse groups are all sliding windows, also the blocks
+    its answer filled (the plugin keeps the window at a session's answer end:
+    ``checkpoints.py``). The next call hits the compacted window."""
     compacted, after = compaction.calls[4], compaction.calls[5]
     # the compaction's own first call hits the instructions it kept: the plugin kept every
     # group's state at their end since the session's first call (vanilla: 0 or 32 tokens)
@@ -98,6 +106,8 @@ def assert_every_group_released(server: VLLMServer, compaction: Compaction) -> N
             expected = retained_past(
                 prompts, need, block_size, compaction.kept_tokens // block_size
             )
+            if all(g["kind"] in (*DENSE, "sliding_window") for g in compaction.groups.values()):
+                expected += answer_blocks(compaction.calls[3], block_size)
         assert count == expected, (group, kind, compaction.released, compaction.calls)
     assert after.cached >= (compacted.prompt - 1) // 2, compaction.calls
 
@@ -210,8 +220,9 @@ def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
             released = released_per_group(before, groups(server))
             # A's last call's blocks past what the summary keeps (its instructions), in each
             # group: every cached one in full attention, and in the sliding window the runs
-            # at the two calls' prompt ends (the second resumed from the first's), as in a
-            # compaction of four turns (``assert_every_group_released``)
+            # at the two calls' prompt ends (the second resumed from the first's) and the
+            # blocks the last answer filled, as in a compaction of four turns
+            # (``assert_every_group_released``)
             cut = common_prefix_length(rendered(server, a_read), rendered(server, summary)) // 32
             expected = {}
             for group, stats_of in groups(server).items():
@@ -219,7 +230,9 @@ def test_an_older_sessions_prefix_survives_a_squeeze_side_by_side(
                     expected[group] = (a_last.prompt + a_last.completion - 1) // 32 - cut
                 else:
                     need = boundary_blocks(server, stats_of["kind"], 32)
-                    expected[group] = retained_past([a_first.prompt, a_last.prompt], need, 32, cut)
+                    expected[group] = retained_past(
+                        [a_first.prompt, a_last.prompt], need, 32, cut
+                    ) + answer_blocks(a_last, 32)
             assert released == expected, (released, a_first, a_last, cut)
             assert stats["releases_compaction"] == 1
             assert stats["block_released_compaction"] == sum(expected.values()), stats
