@@ -82,7 +82,6 @@ class Cell:
 _PATCHED = (
     "vllm.v1.core.block_pool.BlockPool",
     "vllm.v1.core.kv_cache_manager.KVCacheManager",
-    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator",
     "vllm.v1.core.sched.scheduler.Scheduler",
 )
 

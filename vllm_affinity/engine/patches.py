@@ -10,7 +10,8 @@
   ``pop_blocks_for_free``: bind what no output listed, before vLLM frees the blocks.
 - ``KVCacheManager.get_computed_blocks``: on a hybrid model, a request's instructions' end
   becomes its junction, where vLLM keeps the sliding-window and Mamba state
-  (``checkpoints.py``).
+  (``checkpoints.py``); where every sparse group is a sliding window, the engine's
+  coordinator's ``cache_blocks`` (that instance only) keeps the window at a session's answer end.
 - ``Scheduler.add_request``: an in-request release (the ``X-KV-Release`` hint, carried in the
   request's ``sampling_params.extra_args``) acts here, before the request is scheduled, so the
   blocks it releases can serve that very request's allocation. A request naming its parent
@@ -126,6 +127,9 @@ def _attach_manager(state: PoolAffinity, manager: Any) -> None:
     groups = describe_groups(manager.coordinator)
     if groups:  # none: a model whose every group opts out of prefix caching (no KV to track)
         state.attach_groups(groups)
+        if state.checkpoints is not None and state.checkpoints.answers:
+            # this engine's coordinator alone: no other model pays a wrap per allocation
+            wrapt.wrap_function_wrapper(manager.coordinator, "cache_blocks", _cache_blocks)
     if not manager.enable_caching or not groups:
         # e.g. vLLM's CPU build turns prefix caching off for MLA models on CPUs without AMX
         logger.warning(
@@ -155,7 +159,8 @@ def _get_computed_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) ->
 def _cache_blocks(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     """A session's decoding request on a sliding-window model: its computed end is the
     junction for this call, so the window at its answer's end stays cached
-    (``checkpoints.py``); vLLM's own call either way, its junction put back after."""
+    (``checkpoints.py``); vLLM's own call either way, its junction put back after. Wraps the
+    coordinator of a model whose sparse groups are all sliding windows (``_attach_manager``)."""
     state = affinity_of(instance.block_pool)
     if state is None or state.checkpoints is None or not state.checkpoints.answers:
         return wrapped(*args, **kwargs)
@@ -454,7 +459,6 @@ def apply_engine_patches() -> None:
         return
     check_supported_vllm()
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
@@ -463,7 +467,6 @@ def apply_engine_patches() -> None:
     wrapt.wrap_function_wrapper(BlockPool, "__init__", _make_block_pool_init(settings))
     wrapt.wrap_function_wrapper(KVCacheManager, "__init__", _kv_cache_manager_init)
     wrapt.wrap_function_wrapper(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
-    wrapt.wrap_function_wrapper(KVCacheCoordinator, "cache_blocks", _cache_blocks)
     wrapt.wrap_function_wrapper(KVCacheManager, "free", _free)
     wrapt.wrap_function_wrapper(KVCacheManager, "pop_blocks_for_free", _free)
     wrapt.wrap_function_wrapper(Scheduler, "add_request", _make_add_request(settings))

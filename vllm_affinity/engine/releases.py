@@ -214,16 +214,10 @@ class Releases(OverBindings):
         live = table.still_recorded(session)
         if record is None or live is None:
             return 0
-        blocks, strip, unit = self.pool.blocks, self._ctx.strip_group, self.pool.hash_block_size
-        block_ids = record.block_ids
+        blocks, block_ids = self.pool.blocks, record.block_ids
 
-        def serves(index: int) -> bool:  # the entry's block holds chain's hash at its end
-            block = blocks[block_ids[index]]
-            if block.block_hash is None:
-                return False
-            tokens = getattr(block, "block_hash_num_tokens", None)
-            end = tokens // unit if tokens else (index + 1) * group.scale
-            return end <= len(chain) and strip(block.block_hash) == chain[end - 1]
+        def serves(index: int) -> bool:
+            return self._serves(group, blocks[block_ids[index]], index, chain)
 
         start, size = 0, len(block_ids)
         for gone in [*np.flatnonzero(~live).tolist(), size]:
@@ -263,11 +257,21 @@ class Releases(OverBindings):
             answer = last  # a partial block, or a decoded one not full yet: never hit
         else:
             return None
+        return answer if self._serves(group, block, last, chain) else None
+
+    def _end(self, group: KVGroup, block: Any, index: int) -> int:
+        """How many of the prompt's hash blocks the record's block at ``index`` covers from the
+        prompt's start: its hash's own length where vLLM says it (a Mamba state cached inside
+        its block), else its block's end."""
         tokens = getattr(block, "block_hash_num_tokens", None)
-        end = tokens // self.pool.hash_block_size if tokens else (last + 1) * group.scale
-        if end > len(chain) or self._ctx.strip_group(block.block_hash) != chain[end - 1]:
-            return None
-        return answer
+        return tokens // self.pool.hash_block_size if tokens else (index + 1) * group.scale
+
+    def _serves(self, group: KVGroup, block: Any, index: int, chain: list[Any]) -> bool:
+        """Whether the record's block at ``index`` holds ``chain``'s hash at its end."""
+        if block.block_hash is None:
+            return False
+        end = self._end(group, block, index)
+        return end <= len(chain) and self._ctx.strip_group(block.block_hash) == chain[end - 1]
 
     def _any_hit(self, session: str, firsts: Sequence[int]) -> bool:
         """Whether ``firsts`` (from ``_first_stale``) keep at least one block of some group."""
@@ -291,7 +295,7 @@ class Releases(OverBindings):
         # no unbroken run from the start, so the blocks past them still serve the prompt)
         sparse = group.kind not in DENSE_KINDS
         recorded = table.still_recorded(session) if sparse else None
-        blocks, strip, unit = self.pool.blocks, self._ctx.strip_group, self.pool.hash_block_size
+        blocks, strip = self.pool.blocks, self._ctx.strip_group
         entries: list[tuple[Any, int] | None] = []
         for index, block_id in enumerate(record.block_ids):
             if block_id == HOLE or (recorded is not None and not recorded[index]):
@@ -302,8 +306,7 @@ class Releases(OverBindings):
             if block_hash is None and sparse:
                 entries.append(None)
                 continue
-            tokens = getattr(block, "block_hash_num_tokens", None)  # from the prompt's start
-            end = tokens // unit if tokens else (index + 1) * group.scale
+            end = self._end(group, block, index)
             entries.append((None if block_hash is None else strip(block_hash), end))
         return entries
 
