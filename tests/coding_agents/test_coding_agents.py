@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from vllm_affinity.core.compaction import VERDICTS
 from vllm_affinity.testing import VLLMServer
 
 from .conftest import (
@@ -147,8 +148,12 @@ def test_claude_code_interactive_side_requests_stay_apart_and_compact_releases(
     assert hit >= 0.9 * (agents_server.metric("vllm:prefix_cache_queries_total") - queries)
     # the side requests told the engine they ended (their answers are cut off: no finish
     # signal), and the main thread after its answer; each idle was judged on a known session
-    # (acted on, or not: the session came straight back, the idle guard)
-    assert plain["idles"] >= 2 and plain["idles_unknown_session"] == 0, plain.after
+    # (acted on, or not: the session came straight back, the idle guard). Claude Code sends
+    # the title request only until one answer parses as a title (with a random model, at any
+    # turn): the turn's requests are its window verdicts, and up to two of them idle
+    requests = sum(plain[f"windows.{verdict}"] for verdict in VERDICTS)
+    assert plain["idles"] >= min(2, requests), plain.changed()
+    assert plain["idles_unknown_session"] == 0, plain.after
     # nothing released was needed again: the title request's own prompt was kept
     assert sum(step["released_hit"] for step in (turns, compact, rewrite, plain)) == 0
 
