@@ -30,6 +30,7 @@ def _counter_names() -> frozenset[str]:
             "checkpoints_marked", "checkpoint_blocks_refreshed", "engine_us", "engine_steps",
             "picker_reads_capped", "utility_calls", "utility_us", "utility_us_max",
             "offload_blocks_released", "offload_blocks_parked",
+            "compaction_blocks_dead", "compaction_dead_released",
             *(f"{kind}_{mode}" for kind in ("releases", "block_released", "release_us")
               for mode in modes),
             *(f"releases_{status}" for status in releases),

@@ -23,10 +23,13 @@ logger = logging.getLogger("vllm_affinity")
 
 
 def register() -> None:
-    """General plugin: patch the engine (idempotent; also runs in the API server process)."""
+    """General plugin: patch the engine (idempotent; also runs in the API server process) and
+    add the engine's figures to ``/metrics`` where several API servers share it."""
+    from .api_server.metrics import expose_engine_snapshot
     from .engine.patches import apply_engine_patches
 
     apply_engine_patches()
+    expose_engine_snapshot()
 
 
 class AffinityEndpoint:

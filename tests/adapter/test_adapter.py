@@ -844,6 +844,8 @@ def test_a_rewrite_releases_a_side_prompts_copy_of_the_conversation_keeping_its_
     assert segments_of(manager, side_ids) == [Segment.NORMAL] * 3 + [Segment.RELEASED] * 3
     stats = state.stats()
     assert stats.releases_compaction == 1 and stats.block_released_compaction == 6 + 3
+    # the audit, by hash: every block no later prompt can hit (instructions aside) released
+    assert (stats.compaction_blocks_dead, stats.compaction_dead_released) == (9, 9)
     assert side_branch("cc") not in state.sessions.latest
     # the summarizer's next request (its prompt, a new conversation) hits its instructions
     hit = manager.get_computed_blocks(make_request([*side[: 3 * BLOCK], *tokens(7000, 1), 1]))
@@ -861,7 +863,12 @@ def test_a_rewrite_keeps_what_the_new_window_still_carries_of_a_side_requests_it
     side = [*tokens(0, 2), *tokens(6000, 1), *tokens(6100, 3)]
     manager, state, side_ids = rewrite_with_side_branch(side, 2 * BLOCK, kept=3)
     assert segments_of(manager, side_ids) == [Segment.NORMAL] * 4 + [Segment.RELEASED] * 2
-    assert state.stats().block_released_compaction == 5 + 2
+    stats = state.stats()
+    assert stats.block_released_compaction == 5 + 2
+    # the audit reads by hash: the side's kept items are no hash of the new window (rendered
+    # apart), so they count as dead and kept; what the side's next request hits of them says
+    # they were not
+    assert (stats.compaction_blocks_dead, stats.compaction_dead_released) == (5 + 4, 5 + 2)
     leading = side[: 3 * BLOCK]
     hit = manager.get_computed_blocks(make_request([*leading, *tokens(9000, 1), 1]))[1]
     assert hit == 3 * BLOCK and state.stats().released_hit == 0
@@ -990,6 +997,7 @@ def test_a_compaction_with_a_side_branch_and_a_retried_window_releases_every_dea
     assert stats.block_released_compaction == len(dead) + 3 == 6 + 3
     assert set(segments_of(manager, sorted(dead))) == {Segment.RELEASED}
     assert segments_of(manager, side) == [Segment.NORMAL] + [Segment.RELEASED] * 3
+    assert (stats.compaction_blocks_dead, stats.compaction_dead_released) == (9, 9)
     side_call(manager, [*tokens(5000, 1), *tokens(700, 1)], head=BLOCK)  # the next turn's
     stats = state.stats()
     assert stats.released_hit == 0

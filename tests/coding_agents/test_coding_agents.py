@@ -3,6 +3,7 @@ release the old window with no hook, and nothing else releases (see docs/coding-
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -31,6 +32,15 @@ def settled(delta: Delta) -> dict[str, int]:
     """What a rewrite's step changed: one release, the side branch's dead part with the main
     thread's (``PoolAffinity.release_rewritten``)."""
     return delta.changed()
+
+
+def freed_share(delta: Delta, at_least: int) -> float:
+    """The share of a compaction's dead blocks it released, by the engine's audit (the cached
+    blocks of the old window and its side branches, their instructions aside, whose hash the
+    new window does not hold); the audit must have found ``at_least`` of them."""
+    dead = delta["compaction_blocks_dead"]
+    assert dead >= at_least, (dead, at_least, delta.changed())
+    return delta["compaction_dead_released"] / dead
 
 
 def compact_and_go_on(agent: ClaudeCode, watch: Callable[[], Delta], topic: str) -> list[Delta]:
@@ -71,6 +81,9 @@ def check_compact_and_go_on(steps: list[Delta]) -> int:
     later = plain.answer["usage"]
     assert later["cache_read_input_tokens"] >= kept - 64, (window, later)
     assert sum(step["released_hit"] for step in steps) == 0, [s.changed() for s in steps]
+    share = freed_share(rewrite, released(rewrite))
+    print(f"Claude Code's /compact: {share:.1%} of the dead blocks released")
+    assert share >= 0.95, rewrite.changed()
     return released(rewrite)
 
 
@@ -178,6 +191,9 @@ def test_codex_compaction_releases_the_old_window_and_nothing_else(
     # the user's turns, which the compacted window carries)
     assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1, settled(rewrite)
     assert released(rewrite) >= 1, rewrite.after
+    # the audit counts what the compaction request's next one sends again as dead and kept
+    share = freed_share(rewrite, released(rewrite))
+    print(f"the Codex CLI's compaction: {share:.1%} of the dead blocks (by hash) released")
 
     later = codex_cli.ask("fourth question")
     after = watch()
@@ -233,6 +249,16 @@ def test_opencode_compactions_release_the_old_window_and_nothing_else(
     # the summarizer request's copy of it (its own system prompt kept), in the same release
     assert rewrite["windows.rewrite"] == 1 and rewrite["releases_compaction"] == 1, settled(rewrite)
     assert released(rewrite) >= 2 * blocks_of(agents_server, first), rewrite.after
+    share = freed_share(rewrite, 2 * blocks_of(agents_server, first))
+    print(f"opencode's summarize: {share:.1%} of the dead blocks released")
+    assert share >= 0.95, rewrite.changed()
+    name = "vllm_affinity_engine_compaction_dead_blocks_total"  # the same audit on /metrics
+    deadline = time.monotonic() + 10  # its engine snapshot is refreshed every 2 s
+    while agents_server.metric(name, outcome="released") < rewrite["compaction_dead_released"]:
+        assert time.monotonic() < deadline, [
+            k for k in agents_server.metrics() if "affinity_engine" in k
+        ]
+        time.sleep(0.5)
 
     later = opencode.say(session, "third question")
     plain = watch()
@@ -263,6 +289,9 @@ def test_opencode_auto_compaction_releases_the_old_window_and_nothing_else(
         # the old window's turns, and the summary request's copy of them
         dead = sum(blocks_of(agents_server, text) for text in asked[:-1])
         assert released(turn) >= 2 * dead, (dead, turn.after)
+        share = freed_share(turn, 2 * dead)
+        print(f"opencode's auto compaction: {share:.1%} of the dead blocks released")
+        assert share >= 0.95, turn.changed()
         assert turn["released_hit"] == 0, turn.changed()
         break  # one is enough here: the turns after a compaction are the other test's
     assert compacted == 1

@@ -8,6 +8,7 @@ session's requests."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -189,3 +190,13 @@ def test_two_api_servers_judge_a_sessions_windows_as_one_does(
         mine = sum(engine_rank(s, 2) == rank for s in sessions)
         grew = engine.get("releases_compaction", 0) - earlier.get("releases_compaction", 0)
         assert grew == mine  # each rewrite released on the engine that serves its session
+    # /metrics, whichever API server answers, shows both engines' figures: vLLM's
+    # multiprocess registry (several API servers) held no collector of the plugin before
+    deadline = time.monotonic() + 15  # each API server refreshes its snapshot every 2 s
+    for rank, engine in enumerate(engines):
+        labels = {"mode": "compaction", "engine": str(rank)}
+        while server.metric("vllm_affinity_engine_releases_total", **labels) < engine.get(
+            "releases_compaction", 0
+        ):
+            assert time.monotonic() < deadline, [k for k in server.metrics() if "engine" in k]
+            time.sleep(0.5)

@@ -2,11 +2,14 @@
 
 Request outcomes are counted where they happen (the API server). Segment sizes and engine
 counters live in the engine-core process; a collector serves the latest snapshot, refreshed
-periodically and after every release.
+periodically and after every release. With several API servers vLLM's ``/metrics`` reads the
+counters each process wrote to disk, and no collector of the default registry: the snapshot is
+added there too (``expose_engine_snapshot``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter as PyCounter
 from collections.abc import Iterator
@@ -18,9 +21,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from jiuwen_kv_protocol.models import EngineStats, ReleaseMode
 
 RELEASE_MODES = get_args(ReleaseMode)
+logger = logging.getLogger("vllm_affinity")
 
 
 class _EngineCollector:
+    #: The collector of this process's ``AffinityMetrics`` on the default registry (the one a
+    #: multiprocess registry forwards to), once the API server made it.
+    current: _EngineCollector | None = None
+
     def __init__(self, metrics: AffinityMetrics) -> None:
         self._metrics = metrics
 
@@ -92,6 +100,13 @@ class _EngineCollector:
             "and put back in their place (parked)",
             labels=["action", "engine"],
         )
+        compacted = CounterMetricFamily(
+            "vllm_affinity_engine_compaction_dead_blocks",
+            "Compactions told from the agents' requests: cached blocks of the old window and "
+            "of its side branches (their instructions aside) that the new window cannot hit, "
+            "by what the compaction did with them (released; kept: left in the cache's order)",
+            labels=["outcome", "engine"],
+        )
         spent = CounterMetricFamily(
             "vllm_affinity_engine_seconds",
             "Seconds the plugin spent on the engine core's scheduler path (binding blocks to "
@@ -148,6 +163,12 @@ class _EngineCollector:
             checkpoints.add_metric(
                 ["blocks_refreshed", engine], stats.counter("checkpoint_blocks_refreshed")
             )
+            dead, freed = (
+                stats.counter("compaction_blocks_dead"),
+                stats.counter("compaction_dead_released"),
+            )
+            compacted.add_metric(["released", engine], freed)
+            compacted.add_metric(["kept", engine], dead - freed)
             for action in ("released", "parked"):
                 offload.add_metric([action, engine], stats.counter(f"offload_blocks_{action}"))
             for path, count in stats.engine_errors.items():
@@ -173,6 +194,7 @@ class _EngineCollector:
         yield group_blocks
         yield checkpoints
         yield offload
+        yield compacted
         yield spent
         yield steps
         yield children
@@ -235,7 +257,10 @@ class AffinityMetrics:
         self._engines: list[dict[str, Any]] = []
         self._counts: PyCounter[str] = PyCounter()
         self._lock = threading.Lock()
-        registry.register(_EngineCollector(self))
+        collector = _EngineCollector(self)
+        registry.register(collector)
+        if registry is REGISTRY:
+            _EngineCollector.current = collector
 
     def count_request(self, outcome: str) -> None:
         self._requests.labels(outcome=outcome).inc()
@@ -283,3 +308,33 @@ class AffinityMetrics:
     def api_counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+_exposed = False
+
+
+def expose_engine_snapshot() -> None:
+    """Add the engine snapshot to what vLLM's multiprocess collector answers. With several API
+    servers, ``/metrics`` is a registry built per scrape around prometheus_client's
+    ``MultiProcessCollector`` (which sums the counters each process wrote to disk), holding
+    no collector of the default registry: it had no engine figure at all. Each API server
+    adds its own refresh of the same engines. Idempotent (general plugins load more than
+    once); a failure of the snapshot leaves vLLM's own figures served."""
+    global _exposed
+    if _exposed:
+        return
+    _exposed = True
+    import wrapt
+    from prometheus_client import multiprocess
+
+    def with_snapshot(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> list[Metric]:
+        metrics = list(wrapped(*args, **kwargs))
+        collector = _EngineCollector.current
+        if collector is not None:
+            try:
+                metrics.extend(collector.collect())
+            except Exception:  # vLLM's figures stand without the plugin's
+                logger.exception("vllm_affinity: the engine snapshot could not be collected")
+        return metrics
+
+    wrapt.wrap_function_wrapper(multiprocess.MultiProcessCollector, "collect", with_snapshot)

@@ -255,6 +255,15 @@ class SegmentLinks:
         segment = self._segment_index(block)
         return None if segment == _OUT else Segment(segment)
 
+    def headed_for(self, block: Block) -> Segment | None:
+        """The block's segment; out of the queue, the one it goes to when freed (a release
+        or an offloader's parking pending on it), else None."""
+        segment = self._segment_index(block)
+        if segment == _OUT:
+            segment = self._pending.get(block.block_id, _OUT)
+            segment = segment - _PARKED if segment >= _PARKED else segment
+        return None if segment == _OUT else Segment(segment)
+
     @property
     def num_cached(self) -> int:
         """Cached blocks in the queue (every segment but FREE)."""

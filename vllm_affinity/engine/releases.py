@@ -115,9 +115,11 @@ class Releases(OverBindings):
         request sends them again): what ``chain`` hits of the old window past the
         instructions, one block more for the two renderings' differences."""
         also: list[ReleaseSelection] = []
-        side = side_branch(session)
+        side, retried = side_branch(session), retried_branch(session)
+        side_head = self._side_heads.get(side, 0)
+        dead = self._dead_blocks([(session, 0), (side, side_head), (retried, 0)], chain)
         if side in self.sessions.latest:
-            side_head = self._side_heads.pop(side, 0)
+            self._side_heads.pop(side, None)
             if self._carried_conversation(side, session):
                 firsts = [0] * len(self.tables)
             else:
@@ -129,13 +131,40 @@ class Releases(OverBindings):
             also += [t.select_release(side, f) for t, f in zip(self.tables, firsts, strict=True)]
             for table in self.tables:
                 table.forget(side)
-        retried = retried_branch(session)
         if retried in self.sessions.latest:  # a retry's replaced window: what chain cannot hit
             firsts = self._first_stale(retried, chain)
             also += [t.select_release(retried, f) for t, f in zip(self.tables, firsts, strict=True)]
             for table in self.tables:
                 table.forget(retried)
-        return self.release_divergent(session, chain, "compaction", also=also)
+        result = self.release_divergent(session, chain, "compaction", also=also)
+        blocks, released = self.pool.blocks, Segment.RELEASED
+        self.counters.add("compaction_blocks_dead", len(dead))
+        self.counters.add(
+            "compaction_dead_released",
+            sum(self.queue.headed_for(blocks[b]) is released for b in dead),
+        )
+        return result
+
+    def _dead_blocks(self, branches: Sequence[tuple[str, int]], chain: list[Any]) -> set[int]:
+        """The audit of a rewrite, apart from the rule that decides it: the cached blocks of
+        the ``(branch, instruction tokens kept)`` records, past those instructions, whose hash
+        is nowhere in ``chain`` (no later prompt of the session can hit them). What share of
+        them the rewrite released is ``/metrics``' figure of how much a compaction freed."""
+        hashes = set(chain)
+        strip, blocks = self._ctx.strip_group, self.pool.blocks
+        dead: set[int] = set()
+        for group, table in zip(self._ctx.groups, self.tables, strict=True):
+            for branch, head in branches:
+                record = table.latest.get(branch)
+                recorded = table.still_recorded(branch)
+                if record is None or recorded is None:
+                    continue
+                keep = group.blocks_holding(head)
+                for index in (np.flatnonzero(recorded[keep:]) + keep).tolist():
+                    block_hash = blocks[record.block_ids[index]].block_hash
+                    if block_hash is not None and strip(block_hash) not in hashes:
+                        dead.add(record.block_ids[index])
+        return dead
 
     @staticmethod
     def _side_keeps(group: KVGroup, side_head: int, carried: int) -> int:
