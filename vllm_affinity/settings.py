@@ -50,7 +50,8 @@ class Settings:
     #: Where LRU would evict a block one session alone holds, evict instead from the session
     #: predicted back last (``core/returns.py``): closer to Belady at tight pools. ``None``
     #: (``auto``): on for a model with one KV-cache group, off for a hybrid model (a replay
-    #: there computed one block more than vanilla: docs/decisions.md).
+    #: there computed one block more than vanilla: docs/decisions.md) and where a CPU offload
+    #: tier backs the GPU pool (``PoolAffinity.attach_tier``).
     predict_return: bool | None = None
     #: Headers that name a request's session, first found wins (see
     #: ``core/session_headers.py``); a ``session_id`` in the body comes first either way.

@@ -126,8 +126,14 @@ class PoolAffinity:
 
     def attach_tier(self, tier: OffloadTier) -> None:
         """An offloader copies this pool's blocks to ``tier`` (``offload.py``): a release tells
-        it which copies are dead too."""
+        it which copies are dead too. The predicted-return picker, on by ``auto``, goes off:
+        its bets evict the deep blocks of sessions due back last, which the tier held longest
+        (a GPU hit does not refresh a tier copy) and may have dropped, where LRU's victims
+        mostly load back (the Claude Code trace on a 32B pool with a CPU tier: 160 tokens
+        more computed than vanilla with it, 448 fewer without)."""
         self._ctx.tiers.append(tier)
+        if self._picker is None and self._ctx.returns is not None:
+            self.predict_returns(False)
 
     def predict_returns(self, on: bool) -> None:
         """Turn the predicted-return picker on (a fresh predictor) or off (LRU's victims)."""
