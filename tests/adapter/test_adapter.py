@@ -611,6 +611,26 @@ def cycle_hits(predict: bool) -> tuple[int, Any]:
     return hit, state
 
 
+def test_a_pop_of_one_block_takes_lrus_order() -> None:
+    """A decoding request's next block is a pop of one: LRU's victim, the picker not asked (a
+    pick there cost ~150 us for one block at full size); a pop of two swaps as before."""
+    manager = make_manager(40)
+    state = state_of(manager)
+    state.predict_returns(True)
+    for round_ in range(2):
+        for session, start in (("a", 0), ("b", 5000), ("c", 9000)):
+            request = make_request([*tokens(start, 3 + round_), 1], session=session)
+            state.on_new_request(request, release_on_divergence=False)
+            run_prefill(manager, request)
+            manager.free(request)
+    assert state.pick(1) == (1, [])
+    lru, chosen = state.pick(2)  # c called last: due back last, its deepest blocks go first
+    latest = state.sessions.latest["c"].block_ids.tolist()
+    assert lru == 0 and len(chosen) == 2, (lru, chosen)
+    assert all(block.block_id in latest for block in chosen)
+    assert_no_leak(manager)
+
+
 def one_by_one_pick(state: Any, take: int) -> list[int]:
     """The picker's rule asked block by block (``PoolAffinity.pick``'s definition): each of
     LRU's victims a session alone holds lets go first the candidates due back no sooner than

@@ -302,3 +302,16 @@ def test_stale_first_keeps_vllms_eviction_contract() -> None:
     assert policy.get(b"c") is None and policy.get(b"a") is not None
     policy.touch([b"d"], ReqContext("r2"))  # a request reads it: live again
     assert policy.stale == 0
+
+
+@pytest.mark.parametrize("kind", ["simple", "chunked", "none"])
+def test_a_cpu_tier_turns_the_auto_picker_off(kind: str) -> None:
+    """With a CPU tier behind the pool, the predicted-return picker (on by ``auto`` for a
+    one-group model) is off: its bets evict what the tier held longest. Without one it is on."""
+    if kind == "simple":
+        state = Offloaded.build(gpu_blocks=64, cpu_blocks=32, lazy=True).state
+    elif kind == "chunked":
+        state = Offloaded.chunked(gpu_blocks=64, cpu_chunks=32, policy="lru").state
+    else:
+        state = state_of(scheduler(one_group(64)).kv_cache_manager)
+    assert state.stats().predict_return is (kind == "none")
