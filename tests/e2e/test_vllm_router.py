@@ -261,6 +261,7 @@ def test_agent_sessions_stay_on_their_replica_and_releases_happen_there(
         after = [r.engine_stats()["releases_compaction"] for r in replicas]
         # each replica told the compactions of its own sessions, and of no other
         assert [a - b for a, b in zip(after, before, strict=True)] == named, (named, placement)
+        assert [r.engine_stats()["released_hit"] for r in replicas] == [0, 0]  # none live
         for replica, view in zip(replicas, VIEWS, strict=True):
             assert views_agree(replica, view) is None, views_agree(replica, view, timeout=0)
 
@@ -317,6 +318,7 @@ def test_kv_events_replay_into_a_hybrid_replicas_cache() -> None:
                     call(router, [replica], session)
             stats = replica.engine_stats()
             assert len(stats["groups"]) > 1 and stats["releases_compaction"] >= 6
+            assert stats["released_hit"] == 0  # no released block was live
             assert view.removed > 0  # the pool was reused: evictions reported
             assert views_agree(replica, view) is None, views_agree(replica, view, timeout=0)
         finally:
