@@ -120,6 +120,24 @@ def test_in_use_block_is_pending_until_freed() -> None:
     assert ids(q.get_all_free_blocks()) == [1, 0, 2]
 
 
+def test_headed_for_names_where_a_block_is_or_goes_when_freed() -> None:
+    """A release's audit reads it: a queued block's segment; one in use, the segment a
+    release pending on it sends it to, or an offloader's parking back to; else None."""
+    blocks = [FakeBlock(i) for i in range(4)]
+    q = SegmentedFreeBlockQueue(blocks)
+    q.append_n(cached(q.popleft_n(4)))
+    q.release(blocks[0])
+    assert q.headed_for(blocks[0]) is Segment.RELEASED
+    assert q.headed_for(blocks[3]) is Segment.NORMAL
+    in_use = q.popleft_n(3)  # 0 (released), then 1 and 2
+    q.release(in_use[1])
+    assert [q.headed_for(b) for b in in_use] == [None, Segment.RELEASED, None]
+    q.idle(blocks[3])
+    with q.offloading():  # a copy takes the idle block: parked, back to IDLE when done
+        q.remove(blocks[3])
+    assert q.headed_for(blocks[3]) is Segment.IDLE
+
+
 def test_cancelled_pending_goes_back_to_normal() -> None:
     block = FakeBlock(0)
     q = SegmentedFreeBlockQueue([block])
